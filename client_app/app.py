@@ -1,0 +1,86 @@
+"""edgefuse ClientApp: one edge SLM with its LoRA adapter and private data partition.
+
+Message types (the ServerApp sends the resolved config in every message):
+- ``query.info``: reply with this node's partition-id, model and LoRA rank (no model load).
+- ``train``: load the round's adapter for this client (none in round 1: a seeded init),
+  train ``training.steps_per_round`` steps, reply with the packed adapter + metrics.
+- ``evaluate``: load the group's global adapter, reply with held-out loss/perplexity next
+  to the base model's.
+"""
+
+from __future__ import annotations
+
+import time
+
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from client_app.local import LocalClient
+
+app = ClientApp()
+
+
+def _client(msg: Message, context: Context) -> LocalClient:
+    return LocalClient.for_message(
+        cfg_json=str(msg.content["config"]["cfg"]),
+        partition_id=int(context.node_config["partition-id"]),
+        num_partitions=int(context.node_config["num-partitions"]),
+    )
+
+
+def _load_adapter(client: LocalClient, msg: Message) -> int:
+    """Apply the adapter carried by ``msg`` (if any); return its payload bytes."""
+    if "adapter" not in msg.content.array_records:
+        client.reset_adapter()
+        return 0
+    arrays = {k: v.numpy() for k, v in msg.content["adapter"].items()}
+    index = str(msg.content["config"]["adapter_index"])
+    return client.set_packed_adapter(arrays, index)
+
+
+@app.query("info")
+def info(msg: Message, context: Context) -> Message:
+    """Tell the server who this node is: partition-id, model and LoRA rank."""
+    entry = LocalClient.entry_for(str(msg.content["config"]["cfg"]),
+                                  int(context.node_config["partition-id"]))
+    reply = ConfigRecord({"partition_id": int(context.node_config["partition-id"]),
+                          "model": str(entry.model), "lora_rank": int(entry.lora_rank)})
+    return Message(RecordDict({"info": reply}), reply_to=msg)
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    """Train the local LoRA adapter for one round and send it back packed."""
+    t0 = time.perf_counter()
+    client = _client(msg, context)
+    bytes_down = _load_adapter(client, msg)
+    stats = client.train(round_idx=int(msg.content["config"]["round"]))
+    arrays, index = client.packed_adapter()
+    meta = ConfigRecord({**client.identity(), "adapter_index": index})
+    metrics = MetricRecord({
+        "train_loss": stats["train_loss"], "first_loss": stats["first_loss"],
+        "last_loss": stats["last_loss"], "num_examples": client.num_train_examples,
+        "train_seconds": stats["seconds"], "load_seconds": client.load_seconds,
+        "seconds": time.perf_counter() - t0, "bytes_down": bytes_down,
+    })
+    content = RecordDict({"adapter": ArrayRecord({k: Array(v) for k, v in arrays.items()}),
+                          "meta": meta, "metrics": metrics})
+    return Message(content, reply_to=msg)
+
+
+@app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    """Held-out loss with this client's global adapter and with the base model."""
+    t0 = time.perf_counter()
+    client = _client(msg, context)
+    bytes_down = _load_adapter(client, msg)
+    base = client.base_eval(context)
+    ev = client.evaluate()
+    metrics = MetricRecord({
+        "eval_loss": ev["loss"], "eval_ppl": ev["ppl"], "base_eval_loss": base["loss"],
+        "base_eval_ppl": base["ppl"], "eval_tokens": ev["tokens"],
+        "num_eval_examples": ev["examples"], "bytes_down": bytes_down,
+        "seconds": time.perf_counter() - t0,
+    })
+    return Message(RecordDict({"meta": ConfigRecord(client.identity()), "metrics": metrics}),
+                   reply_to=msg)

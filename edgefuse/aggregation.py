@@ -1,0 +1,333 @@
+"""Server-side aggregation of LoRA adapters, one base-model group at a time.
+
+A client's adapter state maps normalized keys (``model.layers.0.self_attn.q_proj.lora_A.weight``,
+see :mod:`edgefuse.lora`) to float32 arrays: ``lora_A`` is ``[r, in_features]``, ``lora_B`` is
+``[out_features, r]``, and the module's update is ``ΔW = s · B A`` with ``s = alpha / r``.
+
+Clients of one group that share a rank and alpha are averaged with FedAvg on ``A`` and ``B``
+separately, weighted by example counts (as Flower's FlowerTune LLM baseline does). When ranks
+differ (each device picks the rank its memory allows) we use FlexLoRA (Bai et al., 2024,
+"Federated Fine-tuning of Large Language Models under Heterogeneous Tasks and Client
+Resources"): average the full ``ΔW`` per module, then give each client the best rank-``r_k``
+approximation from an SVD.
+
+Why FlexLoRA and not FLoRA's stacking (Wang et al., 2024): FLoRA concatenates every client's
+``A`` and ``B``, so the global rank is the sum of the client ranks and grows with the
+federation; clients must merge that stacked ``ΔW`` into their base weights and re-initialize
+a fresh adapter each round. Each client's download then grows with the number of clients,
+and the base weights drift away from the shared open-weight model, which the Cache-to-Cache
+fusers later need unmodified. FlexLoRA keeps every client at its own rank (its memory
+budget), is exact in the aggregated ``ΔW`` before truncation, and the truncation is the
+optimal rank-``r`` approximation (Eckart-Young) whose relative error we report.
+
+Plain numpy/torch; no Flower imports.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+A_SUFFIX = ".lora_A.weight"
+B_SUFFIX = ".lora_B.weight"
+METHODS = ("flexlora",)
+
+
+class MalformedUpdateError(ValueError):
+    """A client update (or its packed wire form) that must not be aggregated; the message says why."""
+
+
+@dataclass
+class ClientUpdate:
+    """One client's adapter for one round.
+
+    Attributes:
+        partition_id: the client's data partition (its id in the federation).
+        model: the base-model group name (e.g. ``smollm2-135m``).
+        rank: LoRA rank ``r``.
+        alpha: LoRA alpha; the scaling is ``alpha / rank``.
+        num_examples: training examples seen this round (the FedAvg weight).
+        state: normalized key -> float32 array (``lora_A`` ``[r, in]``, ``lora_B`` ``[out, r]``).
+    """
+
+    partition_id: int
+    model: str
+    rank: int
+    alpha: float
+    num_examples: int
+    state: dict[str, np.ndarray]
+
+
+@dataclass
+class GroupResult:
+    """What :func:`aggregate_group` returns for one base-model group.
+
+    Attributes:
+        per_client: partition_id -> the state to send that client (at the client's own rank).
+        global_state: the state at the group's largest rank (what the server saves).
+        global_rank: rank of ``global_state``.
+        global_alpha: alpha of ``global_state``.
+        info: ``{"method": "fedavg" | "flexlora", ...}``; FlexLoRA adds
+            ``"truncation_error": {rank: mean relative Frobenius error}``.
+    """
+
+    per_client: dict[int, dict[str, np.ndarray]]
+    global_state: dict[str, np.ndarray]
+    global_rank: int
+    global_alpha: float
+    info: dict = field(default_factory=dict)
+
+
+def split_key(key: str) -> tuple[str, str]:
+    """``"m.q_proj.lora_A.weight"`` -> ``("m.q_proj", "lora_A")``.
+
+    Raises:
+        MalformedUpdateError: the key ends in neither ``.lora_A.weight`` nor ``.lora_B.weight``.
+    """
+    for suffix, part in ((A_SUFFIX, "lora_A"), (B_SUFFIX, "lora_B")):
+        if key.endswith(suffix) and len(key) > len(suffix):
+            return key[: -len(suffix)], part
+    raise MalformedUpdateError(f"unexpected key {key!r}: not a lora_A/lora_B weight")
+
+
+def module_shapes(state: dict[str, np.ndarray]) -> dict[str, tuple[int, int]]:
+    """Per-module ``(out_features, in_features)`` from the A/B pairs, independent of the rank.
+
+    ``in`` comes from ``lora_A`` ``[r, in]`` and ``out`` from ``lora_B`` ``[out, r]``; this is
+    what ``validate_update``'s ``reference_shapes`` expects.
+
+    Raises:
+        MalformedUpdateError: a key that is not a LoRA weight, a non-2-D array, or a module
+            with ``lora_A`` but no ``lora_B`` (or the reverse).
+    """
+    parts: dict[str, dict[str, tuple[int, ...]]] = {}
+    for key, value in state.items():
+        module, part = split_key(key)
+        shape = np.shape(value)
+        if len(shape) != 2:
+            raise MalformedUpdateError(f"{key} must be 2-D, got shape {shape}")
+        parts.setdefault(module, {})[part] = shape
+    out = {}
+    for module, p in sorted(parts.items()):
+        if "lora_B" not in p:
+            raise MalformedUpdateError(f"module {module} has lora_A but no lora_B")
+        if "lora_A" not in p:
+            raise MalformedUpdateError(f"module {module} has lora_B but no lora_A")
+        out[module] = (p["lora_B"][0], p["lora_A"][1])
+    return out
+
+
+def validate_update(
+    update: ClientUpdate,
+    expected_model: str,
+    reference_shapes: dict[str, tuple[int, int]] | None,
+) -> None:
+    """Check one client update before it is aggregated.
+
+    Args:
+        update: the received update.
+        expected_model: the base-model group this update is aggregated into.
+        reference_shapes: module name -> ``(out_features, in_features)`` as returned by
+            :func:`module_shapes` on the group's reference state; ``None`` skips that check.
+
+    Raises:
+        MalformedUpdateError: wrong model group, ``num_examples <= 0``, rank or alpha not
+            positive, empty state, a non-float or non-2-D array, NaN or Inf, ``lora_A.shape[0]``
+            or ``lora_B.shape[1]`` different from ``rank``, a module with A but no B, or a
+            module set / module shape that differs from ``reference_shapes``.
+    """
+    pid = update.partition_id
+    if update.model != expected_model:
+        raise MalformedUpdateError(
+            f"client {pid}: model group {update.model!r}, expected {expected_model!r}")
+    if not update.num_examples > 0:
+        raise MalformedUpdateError(f"client {pid}: num_examples must be > 0, got {update.num_examples}")
+    if not update.rank > 0 or not update.alpha > 0:
+        raise MalformedUpdateError(
+            f"client {pid}: rank and alpha must be > 0, got rank={update.rank} alpha={update.alpha}")
+    if not update.state:
+        raise MalformedUpdateError(f"client {pid}: empty adapter state")
+    for key, value in update.state.items():
+        _, part = split_key(key)
+        if not isinstance(value, np.ndarray) or not np.issubdtype(value.dtype, np.floating):
+            raise MalformedUpdateError(f"client {pid}: {key} is not a float array")
+        if value.ndim != 2:
+            raise MalformedUpdateError(f"client {pid}: {key} must be 2-D, got shape {value.shape}")
+        if not np.isfinite(value).all():
+            what = "NaN" if np.isnan(value).any() else "Inf"
+            raise MalformedUpdateError(f"client {pid}: {key} contains {what}")
+        r = value.shape[0] if part == "lora_A" else value.shape[1]
+        if r != update.rank:
+            raise MalformedUpdateError(
+                f"client {pid}: {key} has shape {value.shape}, which does not match rank {update.rank}")
+    shapes = module_shapes(update.state)
+    if reference_shapes is None:
+        return
+    missing = sorted(set(reference_shapes) - set(shapes))
+    extra = sorted(set(shapes) - set(reference_shapes))
+    if missing or extra:
+        raise MalformedUpdateError(
+            f"client {pid}: module set differs from the reference: "
+            f"missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
+            f"unexpected {extra[:3]}{'...' if len(extra) > 3 else ''}")
+    for module, shape in shapes.items():
+        if tuple(reference_shapes[module]) != shape:
+            raise MalformedUpdateError(
+                f"client {pid}: module {module} is (out, in) = {shape}, "
+                f"reference {tuple(reference_shapes[module])}")
+
+
+def fedavg(states: list[dict[str, np.ndarray]], weights: list[float]) -> dict[str, np.ndarray]:
+    """Weighted average of each tensor (FedAvg, McMahan et al., 2017).
+
+    Args:
+        states: key -> array dicts with identical keys and shapes.
+        weights: one non-negative weight per state (e.g. example counts); normalized to sum 1.
+
+    Returns:
+        key -> float32 array of the same shape.
+
+    Raises:
+        ValueError: no states, a weight count that differs from the state count, negative or
+            all-zero weights, or keys/shapes that differ between states.
+    """
+    if not states or len(states) != len(weights):
+        raise ValueError(f"need one weight per state, got {len(states)} states, {len(weights)} weights")
+    w = np.asarray(weights, dtype=np.float64)
+    if not np.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
+        raise ValueError(f"weights must be finite, >= 0 and not all zero, got {list(weights)}")
+    w = w / w.sum()
+    keys = set(states[0])
+    out = {}
+    for key in sorted(keys):
+        shape = np.shape(states[0][key])
+        acc = np.zeros(shape, dtype=np.float64)
+        for i, (wi, s) in enumerate(zip(w, states)):
+            if set(s) != keys:
+                raise ValueError(f"state {i} has different keys from state 0")
+            if np.shape(s[key]) != shape:
+                raise ValueError(f"{key}: shape {np.shape(s[key])} in state {i}, {shape} in state 0")
+            acc += wi * s[key]
+        out[key] = acc.astype(np.float32)
+    return out
+
+
+def flexlora(
+    updates: list[ClientUpdate],
+    target_ranks: list[int],
+    target_alphas: list[float],
+) -> tuple[list[dict[str, np.ndarray]], dict]:
+    """FlexLoRA aggregation (Bai et al., 2024) to several target ranks.
+
+    Per module: ``ΔW = Σ_k w_k s_k B_k A_k`` with ``w_k ∝ num_examples`` and
+    ``s_k = alpha_k / r_k``; SVD ``ΔW = U Σ Vᵀ``; for target rank ``r`` with scaling
+    ``s = alpha / r``: ``B = U_r Σ_r^½ / √s`` ``[out, r]``, ``A = Σ_r^½ V_rᵀ / √s`` ``[r, in]``,
+    so ``s B A`` is the best rank-``r`` approximation of ``ΔW`` (Eckart-Young).
+
+    ``ΔW`` is never formed: with ``B_cat = [w_k s_k B_k]`` ``[out, R]`` and ``A_cat = [A_k]``
+    ``[R, in]`` (``R = Σ r_k``), thin QRs ``B_cat = Q_B R_B`` and ``A_catᵀ = Q_A R_A`` reduce
+    the SVD to the small matrix ``R_B R_Aᵀ`` (float32 ``torch.linalg.svd``), the same singular
+    values and vectors at a fraction of the cost of an ``[out, in]`` SVD.
+
+    Directions with a (numerically) zero singular value get ``A`` row ``= v_iᵀ`` and ``B``
+    column ``= 0`` instead of two zero vectors, so they stay trainable (peft's own init is
+    ``B = 0``) and ``s B A`` is unchanged.
+
+    Args:
+        updates: validated updates of one group, same module set.
+        target_ranks: ranks to produce, each at most ``min(out, in, Σ r_k)`` of every module.
+        target_alphas: alpha for each target rank (same length).
+
+    Returns:
+        ``(states, info)``: one state per target rank (same order), and
+        ``info = {"method": "flexlora", "truncation_error": {rank: e}}`` where ``e`` is
+        ``‖ΔW - ΔW_r‖_F / ‖ΔW‖_F`` averaged over modules (0 for a zero ``ΔW``).
+
+    Raises:
+        ValueError: no updates, mismatched list lengths, differing module sets or shapes,
+            or a target rank larger than a module allows.
+    """
+    if not updates:
+        raise ValueError("flexlora needs at least one update")
+    if len(target_ranks) != len(target_alphas) or not target_ranks:
+        raise ValueError("target_ranks and target_alphas must be non-empty and the same length")
+    n = np.array([u.num_examples for u in updates], dtype=np.float64)
+    w = n / n.sum()
+    modules = sorted(module_shapes(updates[0].state))
+    for u in updates[1:]:
+        if sorted(module_shapes(u.state)) != modules:
+            raise ValueError(f"client {u.partition_id}: module set differs from client "
+                             f"{updates[0].partition_id}")
+    states: list[dict[str, np.ndarray]] = [{} for _ in target_ranks]
+    errors = np.zeros((len(modules), len(target_ranks)))
+    for m, module in enumerate(modules):
+        bs = [torch.from_numpy(np.asarray(u.state[module + B_SUFFIX], dtype=np.float32))
+              * float(wk * u.alpha / u.rank) for u, wk in zip(updates, w)]
+        a_s = [torch.from_numpy(np.asarray(u.state[module + A_SUFFIX], dtype=np.float32))
+               for u in updates]
+        try:
+            b_cat, a_cat = torch.cat(bs, dim=1), torch.cat(a_s, dim=0)  # [out, R], [R, in]
+        except RuntimeError as e:
+            raise ValueError(f"{module}: shapes differ between clients ({e})") from None
+        q_b, r_b = torch.linalg.qr(b_cat)  # ΔW = Q_B (R_B R_Aᵀ) Q_Aᵀ
+        q_a, r_a = torch.linalg.qr(a_cat.T)
+        u_small, sigma, vh_small = torch.linalg.svd(r_b @ r_a.T, full_matrices=False)
+        u_full, vh_full = q_b @ u_small, vh_small @ q_a.T  # [out, k], [k, in]
+        # Singular values below float32 noise count as zero (numpy matrix_rank's tolerance).
+        tol = float(sigma.max()) * max(r_b.shape + r_a.shape) * float(np.finfo(np.float32).eps)
+        live = sigma > tol
+        energy = (sigma.double() ** 2).flip(0).cumsum(0).flip(0)  # energy[i] = Σ_{j>=i} σ_j²
+        total = float(energy[0]) if len(energy) else 0.0
+        for t, (r, alpha) in enumerate(zip(target_ranks, target_alphas)):
+            if r > len(sigma):
+                raise ValueError(f"{module}: target rank {r} exceeds the {len(sigma)} "
+                                 f"available (min of out, in and the sum of client ranks)")
+            root = torch.where(live[:r], sigma[:r].sqrt(), 0.0) / math.sqrt(alpha / r)
+            b = u_full[:, :r] * root
+            a = torch.where(live[:r, None], root[:, None] * vh_full[:r], vh_full[:r])
+            states[t][module + A_SUFFIX] = a.contiguous().numpy()
+            states[t][module + B_SUFFIX] = b.contiguous().numpy()
+            tail = float(energy[r]) if r < len(energy) else 0.0
+            errors[m, t] = math.sqrt(max(tail, 0.0) / total) if total > 0 else 0.0
+    info = {"method": "flexlora",
+            "truncation_error": {int(r): float(e) for r, e in zip(target_ranks, errors.mean(0))}}
+    return states, info
+
+
+def aggregate_group(updates: list[ClientUpdate], method: str = "flexlora") -> GroupResult:
+    """Aggregate the validated updates of one base-model group.
+
+    Equal ranks and alphas: FedAvg of ``A`` and ``B`` separately, weighted by ``num_examples``
+    (as FlowerTune does); every client gets that state. Different ranks or alphas: ``method``
+    (``"flexlora"``, see :func:`flexlora`); each client gets the state at its own rank and
+    alpha, and the global state is at the largest ``(rank, alpha)``.
+
+    Raises:
+        ValueError: no updates, updates from different model groups, repeated partition ids,
+            or an unknown ``method`` (the message lists the valid ones).
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown aggregation method {method!r}; valid: {', '.join(METHODS)}")
+    if not updates:
+        raise ValueError("aggregate_group needs at least one update")
+    if len({u.model for u in updates}) > 1:
+        raise ValueError(f"updates from several model groups: {sorted({u.model for u in updates})}")
+    pids = [u.partition_id for u in updates]
+    if len(set(pids)) != len(pids):
+        raise ValueError(f"repeated partition ids: {pids}")
+    configs = sorted({(u.rank, float(u.alpha)) for u in updates})
+    global_rank, global_alpha = configs[-1]
+    if len(configs) == 1:
+        state = fedavg([u.state for u in updates], [u.num_examples for u in updates])
+        # One shared dict for every client; callers must not mutate it.
+        return GroupResult(per_client={p: state for p in pids}, global_state=state,
+                           global_rank=global_rank, global_alpha=global_alpha,
+                           info={"method": "fedavg"})
+    states, info = flexlora(updates, [r for r, _ in configs], [a for _, a in configs])
+    by_config = dict(zip(configs, states))
+    return GroupResult(
+        per_client={u.partition_id: by_config[(u.rank, float(u.alpha))] for u in updates},
+        global_state=states[-1], global_rank=global_rank, global_alpha=global_alpha, info=info)

@@ -1,0 +1,67 @@
+"""``edgefuse`` command line.
+
+    edgefuse models list                  registered models and whether they are cached
+    edgefuse models fetch [NAME ...]      download + verify + convert (default: the edge SLMs)
+    edgefuse run [HYDRA OVERRIDES ...]    the main job: a Flower simulation (`flwr run`)
+    edgefuse run --multirun training.lr=1e-4,3e-4   a Hydra sweep, one output folder per job
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from edgefuse.models import REGISTRY, ModelFetchError, ModelSpecError, fetch, is_fetched, model_dir
+
+EDGE_SLMS = ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"]
+
+
+def _models(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="edgefuse models")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("list", help="registered models and their cache state")
+    f = sub.add_parser("fetch", help="download, verify and convert embedded models once")
+    f.add_argument("names", nargs="*", help=f"default: {' '.join(EDGE_SLMS)}")
+    f.add_argument("--cache-dir", default=None, help="cache root (default $EDGEFUSE_CACHE or ~/.cache/edgefuse)")
+    args = parser.parse_args(argv)
+    if args.cmd == "list":
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title="edgefuse models")
+        for col in ("name", "architecture", "hub id", "cached", "license"):
+            table.add_column(col)
+        for spec in REGISTRY.values():
+            cached = "tiny (built in)" if spec.tiny else ("yes" if is_fetched(spec) else "no")
+            table.add_row(spec.name, spec.arch, spec.hub_id or "-", cached, spec.license_note or "-")
+        Console().print(table)
+        return 0
+    for name in args.names or EDGE_SLMS:
+        try:
+            path = fetch(name, args.cache_dir)
+        except (ModelSpecError, ModelFetchError) as e:
+            print(f"edgefuse: {e}", file=sys.stderr)
+            return 2
+        print(f"{name}: {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``edgefuse`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    if argv[0] == "models":
+        return _models(argv[1:])
+    if argv[0] == "run":
+        from edgefuse.launch import hydra_main
+
+        sys.argv = [sys.argv[0], *argv[1:]]
+        return hydra_main() or 0
+    print(f"edgefuse: unknown command {argv[0]!r}\n{__doc__}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""Hydra config composition shared by the launcher, the ServerApp and the tests.
+
+``conf/`` is the single source of truth. The ServerApp composes it from the Flower
+run config (``experiment`` + ``overrides``) and sends the resolved result to every
+ClientApp inside each message, so clients never compose on their own.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+
+class ConfigError(ValueError):
+    """The config could not be composed, or a value in it is unusable."""
+
+
+def compose(experiment: str = "default", overrides: str | list[str] = "") -> DictConfig:
+    """Compose ``conf/config.yaml`` with an experiment and Hydra-style overrides.
+
+    Args:
+        experiment: name of a file in ``conf/experiment/`` (without ``.yaml``).
+        overrides: ``"training.lr=1e-4 federation=smoke"`` (shell-quoted, space
+            separated) or a list of override strings.
+
+    Returns:
+        The resolved config (interpolations evaluated).
+
+    Raises:
+        ConfigError: an unknown experiment, group option or key, or a malformed override.
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    items = shlex.split(overrides) if isinstance(overrides, str) else list(overrides)
+    if not any(o.split("=", 1)[0].lstrip("+~") == "experiment" for o in items):
+        items = [f"experiment={experiment}", *items]
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            cfg = hydra_compose(config_name="config", overrides=items)
+        OmegaConf.resolve(cfg)
+    except Exception as e:  # hydra raises several exception types for bad overrides
+        raise ConfigError(f"could not compose the config with overrides {items}: {e}") from e
+    finally:
+        GlobalHydra.instance().clear()
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: DictConfig) -> None:
+    """Check the settings that would otherwise fail deep inside a client.
+
+    Raises:
+        ConfigError: no clients, a non-positive rank / step count / round count, or a
+            client entry without a model.
+    """
+    clients = cfg.federation.clients
+    if not clients:
+        raise ConfigError("federation.clients is empty: name at least one client")
+    for i, c in enumerate(clients):
+        if not c.get("model"):
+            raise ConfigError(f"federation.clients[{i}] has no model")
+        if int(c.get("lora_rank", 0)) < 1:
+            raise ConfigError(f"federation.clients[{i}].lora_rank must be >= 1")
+    for key in ("federation.num_rounds", "training.steps_per_round", "training.batch_size"):
+        if int(OmegaConf.select(cfg, key)) < 1:
+            raise ConfigError(f"{key} must be >= 1")
+
+
+def to_json(cfg: DictConfig) -> str:
+    """Serialize a resolved config for a Flower ConfigRecord (which holds no nested dicts)."""
+    return json.dumps(OmegaConf.to_container(cfg, resolve=True))
+
+
+def from_json(text: str) -> DictConfig:
+    """Inverse of :func:`to_json`."""
+    return OmegaConf.create(json.loads(text))
+
+
+def client_entry(cfg: DictConfig, partition_id: int) -> DictConfig:
+    """The federation entry of one client (model, lora_rank).
+
+    Raises:
+        ConfigError: ``partition_id`` is not covered by ``federation.clients``.
+    """
+    clients = cfg.federation.clients
+    if not 0 <= partition_id < len(clients):
+        raise ConfigError(
+            f"partition-id {partition_id} has no entry in federation.clients "
+            f"({len(clients)} entries): start as many SuperNodes as clients"
+        )
+    return clients[partition_id]

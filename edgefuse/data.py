@@ -1,0 +1,362 @@
+"""Data: loading Dolly-15k, non-IID client partitions, prompt formatting, batching.
+
+Every split is a pure function of ``(data_cfg, seed)``: the server and each client
+recompute the same partitions independently, nothing is sent around.
+
+Index pipeline (all indices are rows of the loaded dataset)::
+
+    all rows --split_public--> public (server only) | federated
+    federated --partition_by_category / partition_dirichlet--> one part per client
+    client part --client_split--> train (≤ max_train_examples) | val (≤ max_eval_examples)
+
+Training loss is on response tokens only: ``tokenize_example`` sets ``labels = -100``
+on the prompt. Rows left with no response token after truncation are dropped by
+``tokenize_dataset``, so a batch never has an all-masked row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+
+IGNORE_INDEX = -100  # label value that torch's cross-entropy skips
+
+# Supported datasets: name -> (format for `datasets.load_dataset` on the mirror file,
+# column holding the label that partitioning skews). Add a dataset here.
+DATASETS: dict[str, tuple[str, str]] = {
+    "dolly": ("json", "category"),
+}
+
+PARTITIONINGS = ("category", "dirichlet")
+
+# Loaded datasets, keyed by resolved mirror path (or "hub:<id>"): one load per process.
+_CACHE: dict[str, object] = {}
+
+
+# ----------------------------------------------------------------------------- loading
+
+def _resolve_mirror_file(data_cfg) -> Path:
+    """The mirror file ``<mirror>/<mirror_file>``; a relative mirror is tried against the
+    current directory, then against the project root (the folder above ``edgefuse/``)."""
+    mirror = Path(str(data_cfg["mirror"])).expanduser()
+    rel = data_cfg["mirror_file"]
+    if mirror.is_absolute():
+        return (mirror / rel).resolve()
+    candidates = [Path.cwd() / mirror / rel, Path(__file__).resolve().parents[1] / mirror / rel]
+    for c in candidates:
+        if c.exists():
+            return c.resolve()
+    return candidates[0].resolve()
+
+
+def load_dolly(data_cfg):
+    """Load the whole dataset named by ``data_cfg.name`` (only ``dolly`` for now).
+
+    From the local mirror ``<data.mirror>/<data.mirror_file>`` when ``data.mirror`` is set
+    (no network), else from the hub (``data.hub_id``, split ``train``). The result is
+    cached per process, keyed by the resolved path.
+
+    Returns:
+        ``datasets.Dataset`` with columns instruction, context, response, category
+        (15,011 rows for Dolly-15k).
+
+    Raises:
+        ValueError: unknown ``data.name`` (the message lists supported names).
+        FileNotFoundError: ``data.mirror`` is set but the file is not there.
+    """
+    import datasets
+
+    name = data_cfg["name"]
+    if name not in DATASETS:
+        raise ValueError(f"unknown dataset data.name={name!r}; supported: {sorted(DATASETS)}")
+    fmt, _ = DATASETS[name]
+    mirror = data_cfg.get("mirror")
+    if mirror not in (None, "", "null"):
+        path = _resolve_mirror_file(data_cfg)
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{name} mirror file not found: {path} (data.mirror={str(mirror)!r}, "
+                f"data.mirror_file={data_cfg['mirror_file']!r}). Point data.mirror (or env "
+                f"EDGEFUSE_DATA_MIRROR) at the folder holding it, or set data.mirror=null "
+                f"to download {data_cfg['hub_id']!r} from the hub.")
+        key = str(path)
+        if key not in _CACHE:
+            _CACHE[key] = datasets.load_dataset(fmt, data_files=key, split="train")
+    else:
+        key = f"hub:{data_cfg['hub_id']}"
+        if key not in _CACHE:
+            _CACHE[key] = datasets.load_dataset(data_cfg["hub_id"], split="train")
+    return _CACHE[key]
+
+
+# ------------------------------------------------------------------------ partitioning
+
+def split_public(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Split ``range(n)`` into (public, federated) index arrays by a seeded permutation.
+
+    ``round(fraction * n)`` indices go public (held by no client, used by the server).
+    Both arrays are sorted int64; together they cover ``range(n)`` exactly once.
+
+    Raises:
+        ValueError: ``fraction`` outside [0, 1).
+    """
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"public_fraction must be in [0, 1), got {fraction}")
+    perm = np.random.default_rng(seed).permutation(n)
+    n_pub = int(round(fraction * n))
+    return np.sort(perm[:n_pub]), np.sort(perm[n_pub:])
+
+
+def _by_category(categories: Sequence[str]) -> dict[str, np.ndarray]:
+    """Sorted category name -> indices of its examples (ascending)."""
+    cats = np.asarray(categories)
+    return {c: np.flatnonzero(cats == c) for c in sorted(set(cats.tolist()))}
+
+
+def partition_by_category(categories: Sequence[str], num_partitions: int,
+                          seed: int) -> list[np.ndarray]:
+    """Natural non-IID split: clients hold whole categories (or shares of one category).
+
+    Rule, with the C sorted category names shuffled by ``seed`` into ``order``:
+
+    * ``num_partitions <= C``: category ``order[i]`` goes whole to partition ``i % P``.
+      Each partition gets at least one category and no category is shared.
+    * ``num_partitions > C``: partition ``p`` draws from category ``order[p % C]``; each
+      category's examples are shuffled and split as evenly as possible among the
+      partitions that draw from it. Partitions never mix categories.
+
+    Returns:
+        ``num_partitions`` sorted int64 index arrays into ``categories``; every index
+        appears in exactly one, and none is empty.
+
+    Raises:
+        ValueError: ``num_partitions < 1``, or a category has fewer examples than the
+            partitions that must share it.
+    """
+    if num_partitions < 1:
+        raise ValueError(f"num_partitions must be >= 1, got {num_partitions}")
+    rng = np.random.default_rng(seed)
+    groups = _by_category(categories)
+    order = [list(groups)[i] for i in rng.permutation(len(groups))]
+    C, P = len(order), num_partitions
+    parts: list[list[np.ndarray]] = [[] for _ in range(P)]
+    if P <= C:
+        for i, c in enumerate(order):
+            parts[i % P].append(groups[c])
+    else:
+        for j, c in enumerate(order):
+            owners = list(range(j, P, C))  # partitions p with p % C == j
+            if len(groups[c]) < len(owners):
+                raise ValueError(f"category {c!r} has {len(groups[c])} examples, too few "
+                                 f"for {len(owners)} partitions")
+            for p, chunk in zip(owners, np.array_split(rng.permutation(groups[c]), len(owners))):
+                parts[p].append(chunk)
+    return [np.sort(np.concatenate(p)).astype(np.int64) for p in parts]
+
+
+def partition_dirichlet(categories: Sequence[str], num_partitions: int, alpha: float,
+                        seed: int, min_size: int = 1, max_tries: int = 100) -> list[np.ndarray]:
+    """Label-skew split (Hsu et al. 2019; flwr-datasets ``DirichletPartitioner``).
+
+    For each category, its shuffled examples are cut among the partitions with
+    proportions ~ Dir(alpha * 1_P). Small alpha: each category lands mostly on a few
+    clients; large alpha: close to uniform. The whole draw is repeated (same seeded
+    generator, so still deterministic) until every partition has ``min_size`` examples.
+
+    Returns:
+        ``num_partitions`` sorted int64 index arrays into ``categories``; every index
+        appears in exactly one.
+
+    Raises:
+        ValueError: ``num_partitions < 1`` or ``alpha <= 0``.
+        RuntimeError: no draw in ``max_tries`` met ``min_size``.
+    """
+    if num_partitions < 1:
+        raise ValueError(f"num_partitions must be >= 1, got {num_partitions}")
+    if alpha <= 0:
+        raise ValueError(f"dirichlet_alpha must be > 0, got {alpha}")
+    rng = np.random.default_rng(seed)
+    groups = _by_category(categories)
+    for _ in range(max_tries):
+        parts: list[list[np.ndarray]] = [[] for _ in range(num_partitions)]
+        for idx in groups.values():
+            props = rng.dirichlet(np.full(num_partitions, alpha))
+            cuts = (np.cumsum(props)[:-1] * len(idx)).astype(int)
+            for p, chunk in enumerate(np.split(rng.permutation(idx), cuts)):
+                parts[p].append(chunk)
+        out = [np.sort(np.concatenate(p)).astype(np.int64) for p in parts]
+        if min(len(p) for p in out) >= min_size:
+            return out
+    raise RuntimeError(f"Dirichlet partitioning (alpha={alpha}, {num_partitions} partitions) "
+                       f"left a partition with < {min_size} examples in {max_tries} tries; "
+                       f"raise data.dirichlet_alpha or use fewer partitions")
+
+
+def _federated_parts(data_cfg, num_partitions: int, seed: int):
+    """(dataset, public indices, per-partition dataset indices) for ``data_cfg``."""
+    scheme = data_cfg["partitioning"]
+    if scheme not in PARTITIONINGS:
+        raise ValueError(f"unknown data.partitioning={scheme!r}; valid: {list(PARTITIONINGS)}")
+    ds = load_dolly(data_cfg)
+    public, fed = split_public(len(ds), float(data_cfg["public_fraction"]), seed)
+    cats = np.asarray(ds[DATASETS[data_cfg["name"]][1]])[fed]
+    if scheme == "category":
+        parts = partition_by_category(cats, num_partitions, seed)
+    else:
+        parts = partition_dirichlet(cats, num_partitions, float(data_cfg["dirichlet_alpha"]), seed)
+    return ds, public, [fed[p] for p in parts]  # map back to dataset rows
+
+
+def client_split(data_cfg, partition_id: int, num_partitions: int, seed: int):
+    """This client's (train, val) datasets.
+
+    The client's partition of the non-public rows is permuted (seeded by
+    ``(seed, partition_id)``); the first ``max(1, round(val_fraction * n))`` rows are val
+    (then capped at ``max_eval_examples``), the rest train (capped at
+    ``max_train_examples``). A cap of null means no cap.
+
+    Returns:
+        (train, val) ``datasets.Dataset``s, disjoint, with the loaded columns.
+
+    Raises:
+        ValueError: ``partition_id`` not in ``[0, num_partitions)``, unknown
+            ``data.partitioning``, or a partition with fewer than 2 examples.
+    """
+    if not 0 <= partition_id < num_partitions:
+        raise ValueError(f"partition_id {partition_id} out of range [0, {num_partitions})")
+    ds, _, parts = _federated_parts(data_cfg, num_partitions, seed)
+    idx = np.random.default_rng([seed, partition_id]).permutation(parts[partition_id])
+    if len(idx) < 2:
+        raise ValueError(f"partition {partition_id} has {len(idx)} example(s); need >= 2")
+    n_val = min(max(1, int(round(float(data_cfg["val_fraction"]) * len(idx)))), len(idx) - 1)
+    val, train = idx[:n_val], idx[n_val:]
+    max_val, max_train = data_cfg.get("max_eval_examples"), data_cfg.get("max_train_examples")
+    val = val[:max_val] if max_val is not None else val
+    train = train[:max_train] if max_train is not None else train
+    return ds.select(np.sort(train)), ds.select(np.sort(val))
+
+
+def public_split(data_cfg, seed: int):
+    """The public rows (held by no client) as a ``datasets.Dataset``, for the server."""
+    ds = load_dolly(data_cfg)
+    public, _ = split_public(len(ds), float(data_cfg["public_fraction"]), seed)
+    return ds.select(public)
+
+
+# ----------------------------------------------------------------- prompts and tokens
+
+def _has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def format_example(example: dict, tokenizer) -> tuple[str, str]:
+    """(prompt_text, response_text) for one Dolly row.
+
+    With a chat template: one user message, the instruction plus the context (if any)
+    after a blank line, rendered with the generation prompt; the response ends with
+    ``tokenizer.eos_token`` (``<|im_end|>`` for SmolLM2/Qwen2.5-Instruct, i.e. their
+    end of turn). Without one (base models)::
+
+        ### Instruction:\\n{instruction}\\n\\n### Context:\\n{context}\\n\\n### Response:\\n
+
+    with the Context block left out when empty, and response + eos_token.
+
+    Raises:
+        ValueError: the tokenizer has no eos_token.
+    """
+    if tokenizer.eos_token is None:
+        raise ValueError("tokenizer has no eos_token; cannot mark the end of a response")
+    instruction = example["instruction"].strip()
+    context = (example.get("context") or "").strip()
+    response = example["response"].strip() + tokenizer.eos_token
+    if _has_chat_template(tokenizer):
+        user = instruction + (f"\n\n{context}" if context else "")
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": user}],
+                                               tokenize=False, add_generation_prompt=True)
+        return prompt, response
+    prompt = f"### Instruction:\n{instruction}\n\n"
+    if context:
+        prompt += f"### Context:\n{context}\n\n"
+    return prompt + "### Response:\n", response
+
+
+def tokenize_example(example: dict, tokenizer, max_seq_len: int) -> dict[str, list[int]]:
+    """Token ids for one row, loss on the response only.
+
+    The prompt is tokenized with the tokenizer's special tokens (BOS where it adds one;
+    not again if the chat template already wrote it), the response without, and the
+    two are concatenated. If the pair is longer than ``max_seq_len``, the prompt loses
+    tokens from its left (a leading BOS is kept) but not below ``max_seq_len // 2``
+    tokens, then the whole is cut on the right. So a non-empty response always keeps
+    at least ``max_seq_len - max_seq_len // 2`` tokens; rows that still end up with no
+    response token are dropped by ``tokenize_dataset``.
+
+    Returns:
+        dict of equal-length lists (length ≤ max_seq_len): ``input_ids``,
+        ``attention_mask`` (all 1), ``labels`` (-100 on prompt positions, else the id).
+    """
+    prompt, response = format_example(example, tokenizer)
+    bos = tokenizer.bos_token
+    add_special = not (bos and prompt.startswith(bos))  # Gemma-style templates write BOS
+    p_ids = tokenizer(prompt, add_special_tokens=add_special)["input_ids"]
+    r_ids = tokenizer(response, add_special_tokens=False)["input_ids"]
+    if len(p_ids) + len(r_ids) > max_seq_len:
+        keep = max(max_seq_len - len(r_ids), max_seq_len // 2)
+        if len(p_ids) > keep:
+            head = p_ids[:1] if bos is not None and p_ids and p_ids[0] == tokenizer.bos_token_id else []
+            p_ids = head + p_ids[len(p_ids) - max(keep - len(head), 0):]
+    ids = (p_ids + r_ids)[:max_seq_len]
+    labels = ([IGNORE_INDEX] * len(p_ids) + r_ids)[:max_seq_len]
+    return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels}
+
+
+def tokenize_dataset(ds, tokenizer, max_seq_len: int) -> list[dict[str, list[int]]]:
+    """``tokenize_example`` on every row of ``ds``, dropping rows with no response token."""
+    rows = (tokenize_example(ex, tokenizer, max_seq_len) for ex in ds)
+    return [r for r in rows if any(l != IGNORE_INDEX for l in r["labels"])]
+
+
+def collate(rows: list[dict], pad_id: int) -> dict:
+    """Right-pad tokenized rows to the longest one.
+
+    Returns:
+        ``input_ids`` (padded with ``pad_id``), ``attention_mask`` (0 on padding),
+        ``labels`` (-100 on padding): torch LongTensors of shape [batch, T].
+    """
+    import torch
+
+    if pad_id is None:
+        raise ValueError("pad_id is None; set tokenizer.pad_token (e.g. to eos_token)")
+    T = max(len(r["input_ids"]) for r in rows)
+    out = {k: torch.full((len(rows), T), v, dtype=torch.long)
+           for k, v in (("input_ids", pad_id), ("attention_mask", 0), ("labels", IGNORE_INDEX))}
+    for i, r in enumerate(rows):
+        n = len(r["input_ids"])
+        for k in out:
+            out[k][i, :n] = torch.tensor(r[k], dtype=torch.long)
+    return out
+
+
+def batches(rows: list, batch_size: int, seed: int, round_idx: int) -> Iterator[list]:
+    """Endless stream of ``batch_size``-row batches for one round.
+
+    Rows are visited epoch by epoch, each epoch in a fresh permutation drawn from a
+    generator seeded by ``(seed, round_idx)``: reproducible, different across rounds.
+    Batches are always full; one may straddle two epochs. Take S with
+    ``itertools.islice(batches(...), S)``.
+
+    Raises:
+        ValueError: ``rows`` is empty or ``batch_size < 1`` (on the first ``next``).
+    """
+    if not rows or batch_size < 1:
+        raise ValueError(f"need rows and batch_size >= 1 (got {len(rows)} rows, {batch_size})")
+    rng = np.random.default_rng([seed, round_idx])
+    batch = []
+    while True:
+        for i in rng.permutation(len(rows)):
+            batch.append(rows[i])
+            if len(batch) == batch_size:
+                yield batch
+                batch = []

@@ -1,0 +1,257 @@
+"""LoRA adapters: attach, read/write state, pack for the wire, save as a PEFT folder.
+
+State keys are peft's saved keys without the ``base_model.model.`` prefix, e.g.
+``model.layers.0.self_attn.q_proj.lora_A.weight`` (``[r, in_features]``) and
+``...q_proj.lora_B.weight`` (``[out_features, r]``), values float32 numpy arrays.
+The update a module adds is ``ΔW = (alpha / r) · B A`` (peft's default scaling, not rsLoRA).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors.numpy import save_file
+
+from edgefuse.aggregation import MalformedUpdateError, module_shapes, split_key
+
+__all__ = [
+    "MalformedUpdateError", "PEFT_PREFIX", "PARTS", "attach_lora", "get_adapter_state",
+    "set_adapter_state", "pack_adapter", "unpack_adapter", "adapter_nbytes",
+    "save_peft_adapter", "lora_scaling",
+]
+
+PEFT_PREFIX = "base_model.model."  # prefix of peft's keys, in memory and in adapter_model.safetensors
+PARTS = ("lora_A", "lora_B")
+
+
+def lora_scaling(rank: int, alpha: float) -> float:
+    """``alpha / rank``: the factor peft applies to ``B A`` (not rsLoRA's ``alpha / √rank``).
+
+    Raises:
+        ValueError: ``rank <= 0``.
+    """
+    if rank <= 0:
+        raise ValueError(f"rank must be > 0, got {rank}")
+    return alpha / rank
+
+
+def attach_lora(
+    model,
+    rank: int,
+    alpha: float,
+    dropout: float,
+    target_modules: Sequence[str],
+    seed: int,
+) -> PeftModel:
+    """Wrap ``model`` (changed in place) with a fresh LoRA adapter named ``default``.
+
+    ``A`` gets peft's Kaiming-uniform init drawn after ``torch.manual_seed(seed)`` (so one seed
+    gives the same ``A`` on every client; note this reseeds torch's global RNG), ``B = 0``.
+    """
+    config = LoraConfig(task_type="CAUSAL_LM", r=rank, lora_alpha=alpha, lora_dropout=dropout,
+                        target_modules=list(target_modules), bias="none")
+    torch.manual_seed(seed)
+    return get_peft_model(model, config)
+
+
+def _peft_lora_dict(peft_model) -> dict[str, torch.Tensor]:
+    # get_peft_model_state_dict drops the adapter name; we keep only A/B weights.
+    sd = get_peft_model_state_dict(peft_model)
+    out = {}
+    for key, value in sd.items():
+        if not key.startswith(PEFT_PREFIX):
+            raise ValueError(f"unexpected peft key {key!r} (no {PEFT_PREFIX!r} prefix)")
+        key = key[len(PEFT_PREFIX):]
+        if key.endswith((".lora_A.weight", ".lora_B.weight")):
+            out[key] = value
+    return out
+
+
+def get_adapter_state(peft_model) -> dict[str, np.ndarray]:
+    """Float32 numpy copies of the adapter's LoRA weights, keyed as in the module docstring."""
+    return {k: v.detach().to(device="cpu", dtype=torch.float32).numpy().copy()
+            for k, v in _peft_lora_dict(peft_model).items()}
+
+
+def set_adapter_state(peft_model, state: dict[str, np.ndarray]) -> None:
+    """Load ``state`` (as from :func:`get_adapter_state`) into the adapter, cast to its dtype.
+
+    Raises:
+        ValueError: the first missing key, unexpected key, or shape mismatch (sorted key
+            order), before anything is written to the model.
+    """
+    current = _peft_lora_dict(peft_model)
+    for key in sorted(set(current) | set(state)):
+        if key not in state:
+            raise ValueError(f"missing adapter key {key}")
+        if key not in current:
+            raise ValueError(f"unexpected adapter key {key}")
+        if tuple(np.shape(state[key])) != tuple(current[key].shape):
+            raise ValueError(f"{key}: shape {tuple(np.shape(state[key]))}, "
+                             f"model has {tuple(current[key].shape)}")
+    sd = {PEFT_PREFIX + k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32))
+          for k, v in state.items()}
+    result = set_peft_model_state_dict(peft_model, sd)
+    if result.unexpected_keys:  # cannot happen after the checks above; guard anyway
+        raise ValueError(f"peft rejected keys: {result.unexpected_keys[:3]}")
+
+
+def pack_adapter(state: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], str]:
+    """Pack a state into two flat float32 arrays plus a JSON index.
+
+    Flower's ``ArrayRecord`` sends every array separately, so hundreds of small LoRA tensors
+    are slow; two flat arrays are not.
+
+    Returns:
+        ``({"lora_A": a, "lora_B": b}, index_json)``: ``a``/``b`` are 1-D float32, the
+        tensors of that part concatenated in sorted key order (an empty part is a 0-length
+        array). The index is a JSON list of ``{"key", "shape", "part", "offset", "size"}``
+        with offsets and sizes in elements.
+
+    Raises:
+        MalformedUpdateError: a key that is not a LoRA A/B weight.
+    """
+    chunks: dict[str, list[np.ndarray]] = {p: [] for p in PARTS}
+    offsets = dict.fromkeys(PARTS, 0)
+    index = []
+    for key in sorted(state):
+        _, part = split_key(key)
+        flat = np.ascontiguousarray(state[key], dtype=np.float32).ravel()
+        index.append({"key": key, "shape": list(np.shape(state[key])), "part": part,
+                      "offset": offsets[part], "size": int(flat.size)})
+        chunks[part].append(flat)
+        offsets[part] += flat.size
+    arrays = {p: np.concatenate(c) if c else np.zeros(0, np.float32) for p, c in chunks.items()}
+    return arrays, json.dumps(index, separators=(",", ":"))
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def unpack_adapter(arrays: dict[str, np.ndarray], index_json: str) -> dict[str, np.ndarray]:
+    """Inverse of :func:`pack_adapter`; returns float32 copies. Other arrays are ignored.
+
+    Raises:
+        MalformedUpdateError: index that is not valid JSON or not a list of well-formed
+            entries, a missing ``lora_A``/``lora_B`` part, a part that is not a 1-D float
+            array, a repeated key, a key whose part disagrees with its name, an entry out of
+            bounds, or entries that do not tile each flat array exactly (gap, overlap, or
+            sizes that do not add up to its length).
+    """
+    try:
+        index = json.loads(index_json)
+    except (TypeError, ValueError) as e:
+        raise MalformedUpdateError(f"index is not valid JSON: {e}") from None
+    if not isinstance(index, list):
+        raise MalformedUpdateError("index must be a JSON list")
+    flat = {}
+    for part in PARTS:
+        if part not in arrays:
+            raise MalformedUpdateError(f"missing packed part {part!r}")
+        a = arrays[part]
+        if not isinstance(a, np.ndarray) or not np.issubdtype(a.dtype, np.floating) or a.ndim != 1:
+            raise MalformedUpdateError(f"packed part {part!r} must be a 1-D float array")
+        flat[part] = a
+    state: dict[str, np.ndarray] = {}
+    spans: dict[str, list[tuple[int, int, str]]] = {p: [] for p in PARTS}
+    for i, e in enumerate(index):
+        if not isinstance(e, dict) or not {"key", "shape", "part", "offset", "size"} <= set(e):
+            raise MalformedUpdateError(f"index entry {i} lacks key/shape/part/offset/size")
+        key, shape, part, off, size = e["key"], e["shape"], e["part"], e["offset"], e["size"]
+        if not isinstance(key, str) or part not in PARTS:
+            raise MalformedUpdateError(f"index entry {i}: bad key or part {part!r}")
+        if split_key(key)[1] != part:
+            raise MalformedUpdateError(f"index entry {i}: key {key} is not in part {part}")
+        if key in state:
+            raise MalformedUpdateError(f"index entry {i}: repeated key {key}")
+        if not (isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape)
+                and _is_int(off) and _is_int(size) and off >= 0 and size >= 0):
+            raise MalformedUpdateError(f"index entry {i} ({key}): bad shape/offset/size")
+        if math.prod(shape) != size:
+            raise MalformedUpdateError(f"index entry {i} ({key}): size {size} != prod{tuple(shape)}")
+        if off + size > flat[part].size:
+            raise MalformedUpdateError(f"index entry {i} ({key}): [{off}, {off + size}) is out of "
+                                       f"bounds of {part} (length {flat[part].size})")
+        state[key] = flat[part][off:off + size].astype(np.float32).reshape(shape)
+        spans[part].append((off, size, key))
+    for part, entries in spans.items():
+        end = 0
+        for off, size, key in sorted(entries):
+            if off != end:
+                raise MalformedUpdateError(f"{part}: {key} starts at {off}, expected {end} "
+                                           "(gap or overlap)")
+            end += size
+        if end != flat[part].size:
+            raise MalformedUpdateError(f"{part}: index sizes add up to {end}, array has "
+                                       f"{flat[part].size} elements")
+    return state
+
+
+def adapter_nbytes(arrays: dict[str, np.ndarray]) -> int:
+    """Payload size of the arrays in bytes (sum of ``ndarray.nbytes``)."""
+    return int(sum(a.nbytes for a in arrays.values()))
+
+
+def save_peft_adapter(
+    state: dict[str, np.ndarray],
+    out_dir: str | os.PathLike,
+    base_model_name_or_path: str,
+    rank: int,
+    alpha: float,
+    target_modules: Sequence[str],
+) -> Path:
+    """Write ``state`` as a standard PEFT folder that ``PeftModel.from_pretrained`` loads.
+
+    The folder holds ``adapter_config.json`` (``LoraConfig.save_pretrained``) and
+    ``adapter_model.safetensors`` keyed ``base_model.model.<key>`` (what peft itself writes).
+    It is built in a temporary sibling folder and moved into place with ``os.replace``;
+    an existing ``out_dir`` is replaced.
+
+    Returns:
+        ``out_dir`` as a ``Path``.
+
+    Raises:
+        ValueError: a non-LoRA key, A without B, a shape that does not match ``rank``, or a
+            module not covered by ``target_modules`` (peft would silently skip it).
+    """
+    targets = [target_modules] if isinstance(target_modules, str) else list(target_modules)
+    for module in module_shapes(state):
+        if not any(module == t or module.endswith("." + t) for t in targets):
+            raise ValueError(f"module {module} is not matched by target_modules {targets}")
+    for key, value in state.items():
+        r = np.shape(value)[0] if split_key(key)[1] == "lora_A" else np.shape(value)[1]
+        if r != rank:
+            raise ValueError(f"{key} has shape {np.shape(value)}, which does not match rank {rank}")
+    config = LoraConfig(task_type="CAUSAL_LM", r=rank, lora_alpha=alpha, target_modules=targets,
+                        bias="none", base_model_name_or_path=base_model_name_or_path,
+                        inference_mode=True)
+    out = Path(out_dir).expanduser().resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
+    try:
+        config.save_pretrained(tmp)
+        save_file({PEFT_PREFIX + k: np.ascontiguousarray(v, dtype=np.float32)
+                   for k, v in state.items()},
+                  tmp / "adapter_model.safetensors", metadata={"format": "pt"})
+        if out.exists():
+            os.replace(out, old)  # a directory cannot replace a non-empty one: move it aside
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not out.exists():
+            os.replace(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    return out

@@ -1,0 +1,494 @@
+"""Per-run outputs: results.json, results.csv, two PNG plots and a console summary.
+
+The server of a federated run owns one :class:`RunRecorder` and calls
+:meth:`RunRecorder.save` after every round, so a crash loses nothing already
+measured. Every file is written atomically (temp file in the same folder, fsync,
+``os.replace``): a reader sees either the old file or the new one, never half.
+
+results.json schema (an interface; keep stable)::
+
+    {
+      "config": {...resolved config as a plain dict...},
+      "rounds": [
+        {"round": int,
+         "seconds": {"train": float, "evaluate": float, "aggregate": float, "total": float},
+         "clients": [{"partition_id": int, "model": str, "lora_rank": int,
+                      "train_loss": float|None, "eval_loss": float|None, "eval_ppl": float|None,
+                      "base_eval_loss": float|None, "base_eval_ppl": float|None,
+                      "bytes_up": int, "bytes_down": int, "seconds": float,
+                      "num_examples": int, "status": "ok"|"failed"|"rejected",
+                      "reason": str|None}],
+         "groups": [{"model": str, "clients": [int], "method": "fedavg"|"flexlora",
+                     "truncation_error": float|None, "adapter_dir": str|None}]}
+      ],
+      "summary": {...free-form...},
+      "status": "running"|"completed"|"failed",
+      "error": str|None
+    }
+
+Units: losses are mean cross-entropy in nats/token, perplexity is ``exp(loss)``,
+bytes are bytes (plots and tables show MB = 10**6 bytes), seconds are wall-clock
+seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import csv
+import io
+import json
+import logging
+import math
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.ticker import MaxNLocator
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+log = logging.getLogger(__name__)
+
+JSON_NAME = "results.json"
+CSV_NAME = "results.csv"
+EVAL_PNG_NAME = "eval_loss.png"
+BYTES_PNG_NAME = "bytes.png"
+
+CSV_COLUMNS = (
+    "round",
+    "partition_id",
+    "model",
+    "lora_rank",
+    "train_loss",
+    "eval_loss",
+    "eval_ppl",
+    "base_eval_loss",
+    "base_eval_ppl",
+    "bytes_up",
+    "bytes_down",
+    "seconds",
+    "num_examples",
+    "status",
+    "reason",
+)
+RUN_STATUSES = ("running", "completed", "failed")
+MB = 1e6  # bytes per MB in plots and tables (decimal megabyte)
+
+
+# --------------------------------------------------------------------------- atomic writes
+
+
+def _atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """Write ``data`` to ``path`` atomically; create the parent folder if needed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Keep the mode of a file we replace; new files get 0644 (mkstemp makes 0600).
+    try:
+        mode = path.stat().st_mode & 0o777
+    except FileNotFoundError:
+        mode = 0o644
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    # Persist the rename itself; not possible on every platform, so best effort.
+    with contextlib.suppress(OSError):
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    return path
+
+
+def atomic_write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8") -> Path:
+    """Write ``text`` to ``path`` atomically (temp file in the same folder, fsync, replace).
+
+    Returns the path written.
+    """
+    return _atomic_write_bytes(path, text.encode(encoding))
+
+
+def to_jsonable(obj: Any) -> Any:
+    """Deep copy of ``obj`` that strict JSON can hold.
+
+    NaN and +-Inf floats become ``None``; tuples become lists; paths become strings;
+    numpy/torch values (anything with ``tolist``) become Python numbers or lists.
+    Other unknown objects are returned unchanged, so ``json.dumps`` rejects them.
+    """
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if obj is None or isinstance(obj, (str, int)):
+        return obj
+    if isinstance(obj, Mapping):
+        return {k: to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_jsonable(v) for v in obj]
+    if isinstance(obj, os.PathLike):
+        return os.fspath(obj)
+    if hasattr(obj, "tolist"):
+        return to_jsonable(obj.tolist())
+    return obj
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
+    """Write ``obj`` as indented JSON (NaN/Inf as null) to ``path`` atomically.
+
+    The whole document is serialised before any file is touched, so an object JSON
+    cannot hold raises ``TypeError`` and leaves an existing file intact.
+    """
+    text = json.dumps(to_jsonable(obj), indent=2, allow_nan=False, ensure_ascii=False)
+    return atomic_write_text(path, text + "\n")
+
+
+# --------------------------------------------------------------------------- load
+
+
+def load_results(path: str | os.PathLike) -> dict:
+    """Read a results.json (or the results.json inside a run folder).
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+        ValueError: the file is not JSON, or lacks a ``config`` object or ``rounds`` list;
+            the message names the file.
+    """
+    path = Path(path)
+    if path.is_dir():
+        path = path / JSON_NAME
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: not an edgefuse results file (top level is not an object)")
+    missing = [k for k in ("config", "rounds") if k not in data]
+    if missing:
+        raise ValueError(f"{path}: not an edgefuse results file (missing {', '.join(missing)})")
+    if not isinstance(data["config"], dict) or not isinstance(data["rounds"], list):
+        raise ValueError(f"{path}: not an edgefuse results file (config must be an object, rounds a list)")
+    return data
+
+
+# --------------------------------------------------------------------------- csv
+
+
+def _csv_cell(v: Any) -> Any:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return ""
+    return v
+
+
+def csv_text(results: Mapping) -> str:
+    """results.csv content: one row per (round, client), columns :data:`CSV_COLUMNS`."""
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=CSV_COLUMNS, restval="", extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    for rnd in results.get("rounds", []):
+        for c in rnd.get("clients", []):
+            row = {k: _csv_cell(v) for k, v in to_jsonable(c).items()}
+            row["round"] = rnd.get("round")
+            w.writerow(row)
+    return buf.getvalue()
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def _finite(x: Any) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and math.isfinite(x) else None
+
+
+def _clients(results: Mapping) -> dict[int, dict]:
+    """Per partition id (sorted): label, base loss and its (round, client) rows in order."""
+    out: dict[int, dict] = {}
+    for rnd in results.get("rounds", []):
+        for c in rnd.get("clients", []):
+            s = out.setdefault(c["partition_id"], {"rows": [], "base": None})
+            s["rows"].append((rnd.get("round"), c))
+            # Label from the latest round; base loss = latest finite value.
+            s["label"] = f"p{c['partition_id']} {c.get('model')} r{c.get('lora_rank')}"
+            if _finite(c.get("base_eval_loss")) is not None:
+                s["base"] = _finite(c.get("base_eval_loss"))
+    return dict(sorted(out.items()))
+
+
+def _colour(i: int, n: int):
+    import matplotlib
+
+    cmap = matplotlib.colormaps["tab10" if n <= 10 else "tab20"]
+    return cmap.colors[i % len(cmap.colors)]
+
+
+def _new_figure(**kw) -> Figure:
+    # A bare Figure with an Agg canvas: no pyplot, no global backend switch.
+    fig = Figure(layout="constrained", **kw)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _save_png(fig: Figure, path: str | os.PathLike) -> Path:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
+    return _atomic_write_bytes(path, buf.getvalue())
+
+
+def _no_data(ax, what: str) -> None:
+    ax.text(0.5, 0.5, f"no {what}", transform=ax.transAxes, ha="center", va="center", color="grey")
+
+
+def plot_eval_loss(results: Mapping, path: str | os.PathLike) -> Path:
+    """PNG of held-out loss (nats/token) per round, one line per client.
+
+    Each client's base-model loss is a dashed horizontal line of the same colour.
+    Rounds where a client has no eval loss (failed, rejected) are gaps. Returns ``path``.
+    """
+    clients = _clients(results)
+    fig = _new_figure(figsize=(9, 5))
+    ax = fig.add_subplot()
+    plotted = False
+    for i, s in enumerate(clients.values()):
+        colour = _colour(i, len(clients))
+        xs = [r for r, _ in s["rows"]]
+        # NaN breaks the line, so missing rounds show as gaps.
+        ys = [_finite(c.get("eval_loss")) for _, c in s["rows"]]
+        ys = [math.nan if y is None else y for y in ys]
+        ax.plot(xs, ys, marker="o", color=colour, label=s["label"])
+        if s["base"] is not None:
+            ax.axhline(s["base"], color=colour, linestyle="--", linewidth=1.2, alpha=0.8)
+        plotted = plotted or any(math.isfinite(y) for y in ys) or s["base"] is not None
+    if not plotted:
+        _no_data(ax, "eval losses")
+    ax.set_xlabel("round")
+    ax.set_ylabel("held-out loss (nats/token)")
+    ax.set_title("Held-out loss per client (dashed: base model)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(True, alpha=0.3)
+    if clients:
+        handles, labels = ax.get_legend_handles_labels()
+        handles.append(Line2D([], [], color="grey", linestyle="--"))
+        labels.append("base model")
+        ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
+    return _save_png(fig, path)
+
+
+def plot_bytes(results: Mapping, path: str | os.PathLike) -> Path:
+    """PNG of bytes uploaded and downloaded per round (MB = 10**6 bytes).
+
+    Two panels (up: client to server, down: server to client), grouped bars per
+    client in each round, colours as in :func:`plot_eval_loss`. Returns ``path``.
+    """
+    clients = _clients(results)
+    rounds = [r.get("round") for r in results.get("rounds", [])]
+    fig = _new_figure(figsize=(9, 6))
+    ax_up, ax_down = fig.subplots(2, 1, sharex=True)
+    width = 0.8 / max(len(clients), 1)
+    for i, s in enumerate(clients.values()):
+        colour = _colour(i, len(clients))
+        offset = (i - (len(clients) - 1) / 2) * width
+        xs = [r + offset for r, _ in s["rows"]]
+        for ax, key in ((ax_up, "bytes_up"), (ax_down, "bytes_down")):
+            mb = [(c.get(key) or 0) / MB for _, c in s["rows"]]
+            ax.bar(xs, mb, width=width, color=colour, label=s["label"] if ax is ax_up else None)
+    for ax, title in ((ax_up, "uploaded (client \u2192 server)"), (ax_down, "downloaded (server \u2192 client)")):
+        ax.set_title(title)
+        ax.set_ylabel("MB")
+        ax.grid(True, axis="y", alpha=0.3)
+        if not clients:
+            _no_data(ax, "rounds")
+    if rounds and len(rounds) <= 30:
+        ax_down.set_xticks(rounds)
+    else:
+        ax_down.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax_down.set_xlabel("round")
+    if clients:
+        ax_up.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
+    return _save_png(fig, path)
+
+
+# --------------------------------------------------------------------------- outputs
+
+
+def write_json_csv(out_dir: str | os.PathLike, results: Mapping) -> dict[str, Path]:
+    """Write results.json and results.csv into ``out_dir``; returns ``{"json", "csv"}`` paths."""
+    out_dir = Path(out_dir)
+    return {
+        "json": atomic_write_json(out_dir / JSON_NAME, results),
+        "csv": atomic_write_text(out_dir / CSV_NAME, csv_text(results)),
+    }
+
+
+def write_outputs(out_dir: str | os.PathLike, results: Mapping) -> dict[str, Path]:
+    """Write results.json, results.csv, eval_loss.png and bytes.png into ``out_dir``.
+
+    Returns ``{"json", "csv", "eval_png", "bytes_png"}`` paths. JSON and CSV errors
+    raise; a failing plot is logged and left out of the result, so a plotting bug never
+    costs the measured numbers.
+    """
+    out_dir = Path(out_dir)
+    paths = write_json_csv(out_dir, results)
+    for key, name, fn in (("eval_png", EVAL_PNG_NAME, plot_eval_loss), ("bytes_png", BYTES_PNG_NAME, plot_bytes)):
+        try:
+            paths[key] = fn(results, out_dir / name)
+        except Exception:
+            log.warning("could not write %s", out_dir / name, exc_info=True)
+    return paths
+
+
+def _plain_config(config: Any) -> dict:
+    """A plain-dict deep copy of ``config`` (an OmegaConf DictConfig is resolved)."""
+    try:
+        from omegaconf import DictConfig, OmegaConf
+    except ImportError:  # pragma: no cover - omegaconf ships with hydra
+        DictConfig = ()  # noqa: N806
+    if DictConfig and isinstance(config, DictConfig):
+        return OmegaConf.to_container(config, resolve=True)
+    return copy.deepcopy(dict(config or {}))
+
+
+class RunRecorder:
+    """Accumulates one run's results and writes them into ``out_dir``.
+
+    Typical use by the server::
+
+        rec = RunRecorder(out_dir, cfg)
+        for r in rounds:
+            rec.add_round({...})
+            rec.save()            # results.json + results.csv, status "running"
+        rec.set_summary({...})
+        rec.finish()              # status "completed", writes json, csv and plots
+    """
+
+    def __init__(self, out_dir: str | os.PathLike, config: Any):
+        self.out_dir = Path(out_dir)
+        self.results: dict = {
+            "config": _plain_config(config),
+            "rounds": [],
+            "summary": {"out_dir": str(self.out_dir)},
+            "status": "running",
+            "error": None,
+        }
+
+    def add_round(self, round_dict: Mapping) -> None:
+        """Record one round (schema above); a round number seen before is replaced."""
+        if "round" not in round_dict:
+            raise ValueError("round_dict needs a 'round' key")
+        rnd = {"seconds": {}, "clients": [], "groups": [], **copy.deepcopy(dict(round_dict))}
+        rounds = self.results["rounds"]
+        for i, old in enumerate(rounds):
+            if old["round"] == rnd["round"]:
+                rounds[i] = rnd
+                return
+        rounds.append(rnd)
+
+    def set_summary(self, summary: Mapping) -> None:
+        """Merge ``summary`` into the free-form summary (later keys win)."""
+        self.results["summary"].update(copy.deepcopy(dict(summary)))
+
+    def save(self) -> dict[str, Path]:
+        """Write results.json and results.csv atomically; returns their paths."""
+        return write_json_csv(self.out_dir, self.results)
+
+    def finish(self, status: str = "completed", error: str | None = None) -> dict[str, Path]:
+        """Set the final status (``completed`` or ``failed``) and write every output.
+
+        Returns the paths from :func:`write_outputs`.
+        """
+        if status not in ("completed", "failed"):
+            raise ValueError(f"finish status must be 'completed' or 'failed', not {status!r}")
+        self.results["status"] = status
+        self.results["error"] = None if error is None else str(error)
+        return write_outputs(self.out_dir, self.results)
+
+
+# --------------------------------------------------------------------------- console
+
+
+def _fmt(x: Any, spec: str) -> str:
+    x = _finite(x)
+    return "\u2014" if x is None else format(x, spec)
+
+
+def console_table(results: Mapping) -> Table:
+    """Rich table, one row per client of the last round.
+
+    Columns: partition, model, LoRA rank, base and final held-out loss (nats/token),
+    their difference (final - base; negative is better), final perplexity, MB
+    (10**6 bytes) up and down and client seconds, both summed over all rounds. A
+    status column is added when a client of the last round is not ``ok``.
+    """
+    rounds = results.get("rounds") or []
+    last = rounds[-1] if rounds else {"round": None, "clients": []}
+    totals: dict[int, list[float]] = {}  # partition id -> [bytes up, bytes down, seconds]
+    for rnd in rounds:
+        for c in rnd.get("clients", []):
+            t = totals.setdefault(c["partition_id"], [0.0, 0.0, 0.0])
+            t[0] += _finite(c.get("bytes_up")) or 0.0
+            t[1] += _finite(c.get("bytes_down")) or 0.0
+            t[2] += _finite(c.get("seconds")) or 0.0
+    clients = sorted(last.get("clients", []), key=lambda c: c["partition_id"])
+    show_status = any(c.get("status", "ok") != "ok" for c in clients)
+
+    table = Table(
+        title=f"edgefuse run: last round {last['round']} ({len(rounds)} rounds), status {results.get('status')}",
+        caption="loss in nats/token; \u0394 = final \u2212 base; MB and seconds summed over all rounds",
+    )
+    for name in ("partition", "model", "rank", "base loss", "final loss", "\u0394 loss", "ppl", "MB up", "MB down", "seconds"):
+        table.add_column(name, justify="left" if name == "model" else "right")
+    if show_status:
+        table.add_column("status")
+    for c in clients:
+        pid = c["partition_id"]
+        base, final = _finite(c.get("base_eval_loss")), _finite(c.get("eval_loss"))
+        if base is None or final is None:
+            delta = Text("\u2014")
+        else:
+            d = final - base
+            delta = Text(f"{d:+.4f}", style="green" if d < 0 else "red" if d > 0 else "")
+        up, down, secs = totals[pid]
+        row = [
+            str(pid),
+            str(c.get("model")),
+            str(c.get("lora_rank")),
+            _fmt(base, ".4f"),
+            _fmt(final, ".4f"),
+            delta,
+            _fmt(c.get("eval_ppl"), ".2f"),
+            f"{up / MB:.2f}",
+            f"{down / MB:.2f}",
+            f"{secs:.1f}",
+        ]
+        if show_status:
+            status = c.get("status", "ok")
+            row.append(status if not c.get("reason") else f"{status}: {c['reason']}")
+        table.add_row(*row)
+    return table
+
+
+def print_summary(results: Mapping, console: Console | None = None, out_dir: str | os.PathLike | None = None) -> None:
+    """Print :func:`console_table`, the run error if any, and the output folder.
+
+    ``out_dir`` defaults to ``results["summary"]["out_dir"]`` (set by :class:`RunRecorder`).
+    """
+    console = console or Console()
+    console.print(console_table(results))
+    if results.get("error"):
+        console.print(Text.assemble(("error: ", "red"), str(results["error"])))
+    out_dir = out_dir if out_dir is not None else (results.get("summary") or {}).get("out_dir")
+    if out_dir is not None:
+        # Text() so brackets in the path are not read as rich markup.
+        console.print(Text(f"outputs: {out_dir}"))

@@ -1,0 +1,109 @@
+"""Local LoRA training and held-out evaluation on one client (plain PyTorch loops)."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+
+import torch
+
+from edgefuse.data import batches, collate
+
+
+def _token_loss_sum(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """Summed next-token cross-entropy over labelled (response) tokens, and their count.
+
+    ``batch`` holds ``input_ids``, ``attention_mask``, ``labels`` as ``[batch, T]``
+    LongTensors with ``labels == -100`` on prompt and padding positions.
+    """
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    shift_logits = logits[:, :-1, :].float()
+    shift_labels = batch["labels"][:, 1:]
+    loss = torch.nn.functional.cross_entropy(
+        shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1),
+        ignore_index=-100, reduction="sum",
+    )
+    return loss, int((shift_labels != -100).sum())
+
+
+def train_steps(
+    model,
+    rows: Sequence[dict],
+    pad_id: int,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    weight_decay: float = 0.0,
+    max_grad_norm: float = 1.0,
+    seed: int = 0,
+    round_idx: int = 0,
+    progress: bool = False,
+) -> dict:
+    """Run ``steps`` AdamW steps on the trainable (LoRA) parameters of ``model``.
+
+    The optimizer starts fresh every round (its state is not federated), as in
+    FlowerTune. Loss is the mean cross-entropy per response token of each batch.
+
+    Returns:
+        ``{"train_loss": mean of the step losses (nats/token), "first_loss", "last_loss",
+        "steps", "tokens": response tokens seen, "seconds"}``.
+
+    Raises:
+        ValueError: ``rows`` is empty or ``steps < 1``.
+    """
+    if not rows:
+        raise ValueError("no training rows: the client's partition is empty after tokenization")
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    model.train()
+    losses, tokens, t0 = [], 0, time.perf_counter()
+    stream = batches(rows, batch_size, seed, round_idx)
+    it = range(steps)
+    if progress:
+        from tqdm.auto import tqdm
+
+        it = tqdm(it, desc="train", unit="step", leave=False)
+    for _ in it:
+        batch = collate(next(stream), pad_id)
+        loss_sum, n = _token_loss_sum(model, batch)
+        loss = loss_sum / max(n, 1)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        opt.step()
+        losses.append(float(loss.detach()))
+        tokens += n
+    model.eval()
+    return {
+        "train_loss": sum(losses) / len(losses),
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+        "steps": steps,
+        "tokens": tokens,
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+@torch.no_grad()
+def evaluate_loss(model, rows: Sequence[dict], pad_id: int, batch_size: int = 8) -> dict:
+    """Held-out loss: cross-entropy per response token, averaged over all tokens of ``rows``.
+
+    Returns:
+        ``{"loss": nats/token, "ppl": exp(loss), "tokens": count, "examples": len(rows)}``.
+
+    Raises:
+        ValueError: ``rows`` is empty.
+    """
+    if not rows:
+        raise ValueError("no evaluation rows")
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, len(rows), batch_size):
+        loss_sum, n = _token_loss_sum(model, collate(list(rows[i:i + batch_size]), pad_id))
+        total += float(loss_sum)
+        count += n
+    loss = total / max(count, 1)
+    return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": count, "examples": len(rows)}

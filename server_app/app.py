@@ -1,0 +1,129 @@
+"""edgefuse ServerApp: R rounds of per-model federated LoRA, evaluation and outputs.
+
+The route from ``flwr run .`` to a result row: :func:`main` composes the config,
+:class:`~server_app.strategy.GroupedLoRA` builds the messages and aggregates the
+replies (math in :mod:`edgefuse.aggregation`), and :mod:`edgefuse.results` writes the
+output folder after every round.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import datetime
+from pathlib import Path
+
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+from omegaconf import OmegaConf
+
+from edgefuse.config import compose
+from edgefuse.lora import save_peft_adapter
+from edgefuse.models import get_spec
+from edgefuse.results import RunRecorder, print_summary
+from server_app.strategy import GroupedLoRA
+
+log = logging.getLogger("edgefuse.server")
+app = ServerApp()
+
+
+def output_dir(run_config: dict, cfg) -> Path:
+    """The run's output folder: ``output-dir`` if given, else a timestamped one."""
+    given = str(run_config.get("output-dir", "") or "")
+    if given:
+        return Path(given).expanduser().resolve()
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    return (Path(cfg.outputs.root).expanduser() / f"{stamp}-{cfg.experiment.name}").resolve()
+
+
+def wait_for_nodes(grid: Grid, expected: int, timeout_s: float) -> list[int]:
+    """Block until ``expected`` SuperNodes are connected.
+
+    Raises:
+        TimeoutError: fewer connected after ``timeout_s`` seconds.
+    """
+    deadline = time.monotonic() + timeout_s
+    while len(nodes := list(grid.get_node_ids())) < expected:
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"only {len(nodes)} of {expected} SuperNodes connected after {timeout_s:.0f} s: "
+                "start one SuperNode per entry of federation.clients")
+        time.sleep(1)
+    return nodes
+
+
+def save_adapters(cfg, strategy: GroupedLoRA, group_rows: list[dict], out: Path, round_idx: int) -> None:
+    """Save each group's global adapter of this round as a PEFT folder."""
+    for g in group_rows:
+        res = strategy.groups[g["model"]]
+        spec = get_spec(g["model"])
+        folder = out / "adapters" / f"round_{round_idx:03d}" / g["model"]
+        targets = list(cfg.training.target_modules or spec.target_modules)
+        save_peft_adapter(res.global_state, folder, spec.hub_id or spec.name,
+                          res.global_rank, res.global_alpha, targets)
+        g["adapter_dir"] = str(folder)
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """Compose the config, run the rounds, write the outputs."""
+    rc = context.run_config
+    cfg = compose(str(rc.get("experiment", "default")), str(rc.get("overrides", "")))
+    out = output_dir(rc, cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    log.info("edgefuse: experiment %s, outputs in %s", cfg.experiment.name, out)
+    print(f"[edgefuse] outputs: {out}", flush=True)
+    recorder = RunRecorder(out, OmegaConf.to_container(cfg, resolve=True))
+    recorder.save()
+    strategy = GroupedLoRA(cfg)
+    fed = cfg.federation
+    timeout = float(fed.round_timeout_s)
+    t_run = time.perf_counter()
+    try:
+        node_ids = wait_for_nodes(grid, len(fed.clients), timeout)
+        for r in range(1, int(fed.num_rounds) + 1):
+            t0 = time.perf_counter()
+            errors = strategy.add_info(grid.send_and_receive(strategy.info_messages(node_ids), timeout=timeout))
+            for e in errors:
+                log.warning("round %d: node info failed: %s", r, e)
+            msgs, sent = strategy.configure(r, "train")
+            replies = list(grid.send_and_receive(msgs, timeout=timeout))
+            t_train = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            rows, group_rows = strategy.aggregate_train(r, replies, sent)
+            t_agg = time.perf_counter() - t1
+            if cfg.outputs.save_adapters:
+                save_adapters(cfg, strategy, group_rows, out, r)
+            t2 = time.perf_counter()
+            msgs, sent = strategy.configure(r, "evaluate")
+            strategy.aggregate_evaluate(rows, grid.send_and_receive(msgs, timeout=timeout), sent)
+            t_eval = time.perf_counter() - t2
+            recorder.add_round({
+                "round": r, "clients": rows, "groups": group_rows,
+                "seconds": {"train": t_train, "aggregate": t_agg, "evaluate": t_eval,
+                            "total": time.perf_counter() - t0},
+            })
+            recorder.save()
+            _log_round(r, rows)
+        recorder.set_summary({"wall_seconds": time.perf_counter() - t_run,
+                              "server_peak_rss_bytes": _peak_rss()})
+        recorder.finish("completed")
+    except BaseException as e:
+        recorder.finish("failed", error=f"{type(e).__name__}: {e}")
+        raise
+    finally:
+        print_summary(recorder.results, out_dir=out)
+
+
+def _log_round(r: int, rows: list[dict]) -> None:
+    for row in rows:
+        log.info("round %d p%d %s r%d: %s train %.3f eval %s base %s", r, row["partition_id"],
+                 row["model"], row["lora_rank"], row["status"], row["train_loss"] or float("nan"),
+                 row["eval_loss"], row["base_eval_loss"])
+
+
+def _peak_rss() -> int:
+    """Peak RSS of this process in bytes (Linux ru_maxrss is in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -1,0 +1,199 @@
+"""Per-base-model LoRA federation: build round messages, check replies, aggregate.
+
+Shaped like a Flower strategy (configure/aggregate for train and evaluate), but
+clients of different base models never mix: each model is its own group with its own
+global adapter. The math lives in :mod:`edgefuse.aggregation`; this class only routes
+arrays between Flower messages and those functions, and records what happened.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
+from omegaconf import DictConfig
+
+from edgefuse.aggregation import (ClientUpdate, GroupResult, MalformedUpdateError,
+                                  aggregate_group, flexlora, module_shapes, validate_update)
+from edgefuse.config import to_json
+from edgefuse.lora import adapter_nbytes, pack_adapter, unpack_adapter
+
+log = logging.getLogger("edgefuse.server")
+
+
+class NoClientSucceeded(RuntimeError):
+    """A round in which no client returned a usable update: the run cannot go on."""
+
+
+@dataclass
+class NodeInfo:
+    node_id: int
+    partition_id: int
+    model: str
+    lora_rank: int
+
+
+@dataclass
+class GroupedLoRA:
+    """Server state of a federated LoRA run: one global adapter per base-model group."""
+
+    cfg: DictConfig
+    nodes: dict[int, NodeInfo] = field(default_factory=dict)
+    groups: dict[str, GroupResult] = field(default_factory=dict)
+    shapes: dict[str, dict] = field(default_factory=dict)  # model -> module (out, in) shapes
+
+    def __post_init__(self):
+        self.cfg_json = to_json(self.cfg)
+
+    # -- messages -----------------------------------------------------------------
+    def _content(self, round_idx: int, state: dict | None) -> tuple[RecordDict, int]:
+        config = {"cfg": self.cfg_json, "round": round_idx}
+        content = RecordDict()
+        nbytes = 0
+        if state is not None:
+            arrays, index = pack_adapter(state)
+            content["adapter"] = ArrayRecord({k: Array(v) for k, v in arrays.items()})
+            config["adapter_index"] = index
+            nbytes = adapter_nbytes(arrays) + len(index.encode())
+        content["config"] = ConfigRecord(config)
+        return content, nbytes
+
+    def info_messages(self, node_ids) -> list[Message]:
+        """``query.info`` to nodes not yet identified."""
+        content, _ = self._content(0, None)
+        return [Message(content, dst_node_id=n, message_type="query.info")
+                for n in node_ids if n not in self.nodes]
+
+    def add_info(self, replies) -> list[str]:
+        """Record node identities from ``query.info`` replies; return error reasons."""
+        errors = []
+        for msg in replies:
+            if msg.has_error():
+                errors.append(f"node {msg.metadata.src_node_id}: {msg.error.reason}")
+                continue
+            rec = msg.content["info"]
+            self.nodes[msg.metadata.src_node_id] = NodeInfo(
+                msg.metadata.src_node_id, int(rec["partition_id"]), str(rec["model"]),
+                int(rec["lora_rank"]))
+        return errors
+
+    def client_state(self, node: NodeInfo) -> dict | None:
+        """The adapter this client starts the round from (None before the group's first
+        aggregation: the client uses its seeded initial adapter)."""
+        group = self.groups.get(node.model)
+        if group is None:
+            return None
+        if node.partition_id in group.per_client:
+            return group.per_client[node.partition_id]
+        if node.lora_rank == group.global_rank:
+            return group.global_state
+        # A client that missed the last aggregation: re-factor the global to its rank.
+        upd = ClientUpdate(-1, node.model, group.global_rank, group.global_alpha, 1,
+                           group.global_state)
+        states, _ = flexlora([upd], [node.lora_rank], [float(self.cfg.training.lora_alpha)])
+        return states[0]
+
+    def configure(self, round_idx: int, message_type: str) -> tuple[list[Message], dict[int, int]]:
+        """One message per identified node, each with its own adapter; and bytes per node."""
+        msgs, nbytes = [], {}
+        for node in self.nodes.values():
+            content, nbytes[node.node_id] = self._content(round_idx, self.client_state(node))
+            msgs.append(Message(content, dst_node_id=node.node_id, message_type=message_type))
+        return msgs, nbytes
+
+    # -- replies ------------------------------------------------------------------
+    def _row(self, node: NodeInfo) -> dict:
+        return {"partition_id": node.partition_id, "model": node.model,
+                "lora_rank": node.lora_rank, "train_loss": None, "eval_loss": None,
+                "eval_ppl": None, "base_eval_loss": None, "base_eval_ppl": None,
+                "bytes_up": 0, "bytes_down": 0, "seconds": 0.0, "num_examples": 0,
+                "status": "failed", "reason": "no reply"}
+
+    def aggregate_train(self, round_idx: int, replies, sent_bytes: dict[int, int]) -> tuple[list[dict], list[dict]]:
+        """Check every train reply, aggregate each model group, update the globals.
+
+        Returns:
+            ``(client rows, group rows)`` for results.json.
+
+        Raises:
+            NoClientSucceeded: not one reply in the round was usable.
+        """
+        rows = {n.node_id: self._row(n) for n in self.nodes.values()}
+        for nid, b in sent_bytes.items():
+            rows[nid]["bytes_down"] = b
+        updates: dict[str, list[ClientUpdate]] = {}
+        for msg in replies:
+            nid = msg.metadata.src_node_id
+            if nid not in rows:
+                continue
+            row, node = rows[nid], self.nodes[nid]
+            if msg.has_error():
+                row["reason"] = f"client error: {msg.error.reason}"
+                log.warning("round %d: partition %d failed: %s", round_idx, node.partition_id,
+                            msg.error.reason)
+                continue
+            try:
+                upd, metrics, nbytes = self._parse_update(msg, node)
+                row.update(bytes_up=nbytes, train_loss=float(metrics["train_loss"]),
+                           seconds=float(metrics["seconds"]),
+                           num_examples=int(metrics["num_examples"]))
+                validate_update(upd, node.model, self.shapes.get(node.model))
+            except (MalformedUpdateError, KeyError, TypeError, ValueError) as e:
+                row.update(status="rejected", reason=str(e))
+                log.warning("round %d: rejected the update of partition %d: %s", round_idx,
+                            node.partition_id, e)
+                continue
+            row.update(status="ok", reason=None)
+            updates.setdefault(node.model, []).append(upd)
+        if not updates:
+            reasons = "; ".join(f"p{r['partition_id']}: {r['reason']}" for r in rows.values())
+            raise NoClientSucceeded(f"round {round_idx}: no client returned a usable update ({reasons})")
+        group_rows = []
+        for model, ups in updates.items():
+            t0 = time.perf_counter()
+            self.shapes.setdefault(model, module_shapes(ups[0].state))
+            result = aggregate_group(ups, method=str(self.cfg.training.hetero_rank))
+            self.groups[model] = result
+            group_rows.append({"model": model, "clients": sorted(u.partition_id for u in ups),
+                               "method": result.info.get("method"),
+                               "truncation_error": result.info.get("truncation_error"),
+                               "aggregate_seconds": time.perf_counter() - t0,
+                               "global_rank": result.global_rank, "adapter_dir": None})
+        return sorted(rows.values(), key=lambda r: r["partition_id"]), group_rows
+
+    def _parse_update(self, msg: Message, node: NodeInfo):
+        meta, metrics = msg.content["meta"], msg.content["metrics"]
+        if int(meta["partition_id"]) != node.partition_id:
+            raise MalformedUpdateError(
+                f"reply claims partition {meta['partition_id']}, node is partition {node.partition_id}")
+        arrays = {k: v.numpy() for k, v in msg.content["adapter"].items()}
+        index = str(meta["adapter_index"])
+        state = unpack_adapter(arrays, index)
+        upd = ClientUpdate(node.partition_id, str(meta["model"]), int(meta["lora_rank"]),
+                           float(meta["lora_alpha"]), int(metrics["num_examples"]), state)
+        if upd.rank != node.lora_rank:
+            raise MalformedUpdateError(f"rank {upd.rank} differs from the configured {node.lora_rank}")
+        return upd, metrics, adapter_nbytes(arrays) + len(index.encode())
+
+    def aggregate_evaluate(self, rows: list[dict], replies, sent_bytes: dict[int, int]) -> None:
+        """Fill eval metrics into the round's client rows (in place)."""
+        by_pid = {r["partition_id"]: r for r in rows}
+        for nid, b in sent_bytes.items():
+            by_pid[self.nodes[nid].partition_id]["bytes_down"] += b
+        for msg in replies:
+            node = self.nodes.get(msg.metadata.src_node_id)
+            if node is None:
+                continue
+            row = by_pid[node.partition_id]
+            if msg.has_error():
+                log.warning("evaluate: partition %d failed: %s", node.partition_id, msg.error.reason)
+                row["eval_error"] = msg.error.reason
+                continue
+            m = msg.content["metrics"]
+            row.update(eval_loss=float(m["eval_loss"]), eval_ppl=float(m["eval_ppl"]),
+                       base_eval_loss=float(m["base_eval_loss"]),
+                       base_eval_ppl=float(m["base_eval_ppl"]),
+                       eval_seconds=float(m["seconds"]))
+

@@ -1,0 +1,25 @@
+"""Shared fixtures: the offline data mirror and a helper to find it."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def mirror_path() -> Path | None:
+    """The data mirror: $EDGEFUSE_DATA_MIRROR, else ../shared/data beside the checkout."""
+    env = os.environ.get("EDGEFUSE_DATA_MIRROR")
+    for cand in (env, ROOT.parent / "shared" / "data"):
+        if cand and (Path(cand) / "dolly").is_dir():
+            return Path(cand).resolve()
+    return None
+
+
+@pytest.fixture
+def mirror() -> Path:
+    path = mirror_path()
+    if path is None:
+        pytest.skip("no data mirror: set EDGEFUSE_DATA_MIRROR or place ../shared/data")
+    return path
