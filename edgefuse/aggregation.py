@@ -37,7 +37,7 @@ METHODS = ("flexlora",)
 
 
 class MalformedUpdateError(ValueError):
-    """A client update (or its packed wire form) that must not be aggregated; the message says why."""
+    """A client update (or its packed wire form) that must not be aggregated; says why."""
 
 
 @dataclass
@@ -144,10 +144,12 @@ def validate_update(
         raise MalformedUpdateError(
             f"client {pid}: model group {update.model!r}, expected {expected_model!r}")
     if not update.num_examples > 0:
-        raise MalformedUpdateError(f"client {pid}: num_examples must be > 0, got {update.num_examples}")
+        raise MalformedUpdateError(
+            f"client {pid}: num_examples must be > 0, got {update.num_examples}")
     if not update.rank > 0 or not update.alpha > 0:
         raise MalformedUpdateError(
-            f"client {pid}: rank and alpha must be > 0, got rank={update.rank} alpha={update.alpha}")
+            f"client {pid}: rank and alpha must be > 0, "
+            f"got rank={update.rank} alpha={update.alpha}")
     if not update.state:
         raise MalformedUpdateError(f"client {pid}: empty adapter state")
     for key, value in update.state.items():
@@ -162,7 +164,8 @@ def validate_update(
         r = value.shape[0] if part == "lora_A" else value.shape[1]
         if r != update.rank:
             raise MalformedUpdateError(
-                f"client {pid}: {key} has shape {value.shape}, which does not match rank {update.rank}")
+                f"client {pid}: {key} has shape {value.shape}, "
+                f"which does not match rank {update.rank}")
     shapes = module_shapes(update.state)
     if reference_shapes is None:
         return
@@ -195,7 +198,8 @@ def fedavg(states: list[dict[str, np.ndarray]], weights: list[float]) -> dict[st
             all-zero weights, or keys/shapes that differ between states.
     """
     if not states or len(states) != len(weights):
-        raise ValueError(f"need one weight per state, got {len(states)} states, {len(weights)} weights")
+        raise ValueError(
+            f"need one weight per state, got {len(states)} states, {len(weights)} weights")
     w = np.asarray(weights, dtype=np.float64)
     if not np.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
         raise ValueError(f"weights must be finite, >= 0 and not all zero, got {list(weights)}")
@@ -209,7 +213,8 @@ def fedavg(states: list[dict[str, np.ndarray]], weights: list[float]) -> dict[st
             if set(s) != keys:
                 raise ValueError(f"state {i} has different keys from state 0")
             if np.shape(s[key]) != shape:
-                raise ValueError(f"{key}: shape {np.shape(s[key])} in state {i}, {shape} in state 0")
+                raise ValueError(
+                    f"{key}: shape {np.shape(s[key])} in state {i}, {shape} in state 0")
             acc += wi * s[key]
         out[key] = acc.astype(np.float32)
     return out
@@ -224,7 +229,8 @@ def flexlora(
 
     Per module: ``ΔW = Σ_k w_k s_k B_k A_k`` with ``w_k ∝ num_examples`` and
     ``s_k = alpha_k / r_k``; SVD ``ΔW = U Σ Vᵀ``; for target rank ``r`` with scaling
-    ``s = alpha / r``: ``B = U_r Σ_r^½ / √s`` ``[out, r]``, ``A = Σ_r^½ V_rᵀ / √s`` ``[r, in]``,
+    ``s = alpha / r``: ``B = U_r Σ_r^½ / √s`` ``[out, r]``,
+    ``A = Σ_r^½ V_rᵀ / √s`` ``[r, in]``,
     so ``s B A`` is the best rank-``r`` approximation of ``ΔW`` (Eckart-Young).
 
     ``ΔW`` is never formed: with ``B_cat = [w_k s_k B_k]`` ``[out, R]`` and ``A_cat = [A_k]``

@@ -19,7 +19,13 @@ from typing import Sequence
 
 import numpy as np
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from peft import (
+    LoraConfig,
+    PeftModel,
+    get_peft_model,
+    get_peft_model_state_dict,
+    set_peft_model_state_dict,
+)
 from safetensors.numpy import save_file
 
 from edgefuse.aggregation import MalformedUpdateError, module_shapes, split_key
@@ -30,7 +36,8 @@ __all__ = [
     "save_peft_adapter", "lora_scaling",
 ]
 
-PEFT_PREFIX = "base_model.model."  # prefix of peft's keys, in memory and in adapter_model.safetensors
+# Prefix of peft's keys, in get_peft_model_state_dict and in adapter_model.safetensors.
+PEFT_PREFIX = "base_model.model."
 PARTS = ("lora_A", "lora_B")
 
 
@@ -179,7 +186,8 @@ def unpack_adapter(arrays: dict[str, np.ndarray], index_json: str) -> dict[str, 
                 and _is_int(off) and _is_int(size) and off >= 0 and size >= 0):
             raise MalformedUpdateError(f"index entry {i} ({key}): bad shape/offset/size")
         if math.prod(shape) != size:
-            raise MalformedUpdateError(f"index entry {i} ({key}): size {size} != prod{tuple(shape)}")
+            raise MalformedUpdateError(
+                f"index entry {i} ({key}): size {size} != prod{tuple(shape)}")
         if off + size > flat[part].size:
             raise MalformedUpdateError(f"index entry {i} ({key}): [{off}, {off + size}) is out of "
                                        f"bounds of {part} (length {flat[part].size})")

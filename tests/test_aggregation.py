@@ -1,0 +1,202 @@
+"""FedAvg, FlexLoRA and update validation on small hand-built states (numpy only)."""
+
+import numpy as np
+import pytest
+
+from edgefuse.aggregation import (
+    ClientUpdate,
+    MalformedUpdateError,
+    aggregate_group,
+    fedavg,
+    flexlora,
+    module_shapes,
+    validate_update,
+)
+
+A, B = ".lora_A.weight", ".lora_B.weight"
+
+
+def f32(x):
+    return np.asarray(x, dtype=np.float32)
+
+
+def delta(state, module, rank, alpha):
+    """s · B A of one module."""
+    return alpha / rank * state[module + B].astype(np.float64) @ state[module + A]
+
+
+def best_rank(w, r):
+    u, s, vt = np.linalg.svd(w)
+    return (u[:, :r] * s[:r]) @ vt[:r], np.sqrt((s[r:] ** 2).sum() / (s ** 2).sum())
+
+
+# ---------------------------------------------------------------- fedavg
+
+
+def test_fedavg_hand_values():
+    out = fedavg([{"k": f32([[1, 2]])}, {"k": f32([[5, 6]])}], [1, 3])
+    # (1·1 + 3·5) / 4 = 4, (1·2 + 3·6) / 4 = 5
+    np.testing.assert_array_equal(out["k"], f32([[4, 5]]))
+    assert out["k"].dtype == np.float32
+
+
+def test_fedavg_rejects_mismatches():
+    with pytest.raises(ValueError, match="shape"):
+        fedavg([{"k": f32([[1, 2]])}, {"k": f32([[1, 2, 3]])}], [1, 1])
+    with pytest.raises(ValueError, match="keys"):
+        fedavg([{"k": f32([[1]])}, {"j": f32([[1]])}], [1, 1])
+    with pytest.raises(ValueError, match="weight"):
+        fedavg([{"k": f32([[1]])}], [1, 2])
+    with pytest.raises(ValueError, match="not all zero"):
+        fedavg([{"k": f32([[1]])}], [0])
+
+
+# ---------------------------------------------------------------- equal ranks
+
+
+def test_equal_ranks_is_fedavg_of_a_and_b():
+    s0 = {"q" + A: f32([[1, 0]]), "q" + B: f32([[2], [0]]),
+          "v" + A: f32([[0, 4]]), "v" + B: f32([[1], [1]])}
+    s1 = {"q" + A: f32([[5, 4]]), "q" + B: f32([[6], [8]]),
+          "v" + A: f32([[4, 0]]), "v" + B: f32([[5], [9]])}
+    ups = [ClientUpdate(0, "m", 1, 2.0, 1, s0), ClientUpdate(7, "m", 1, 2.0, 3, s1)]
+    res = aggregate_group(ups)
+    expected = {"q" + A: f32([[4, 3]]), "q" + B: f32([[5], [6]]),
+                "v" + A: f32([[3, 1]]), "v" + B: f32([[4], [7]])}
+    assert res.info["method"] == "fedavg"
+    assert (res.global_rank, res.global_alpha) == (1, 2.0)
+    assert set(res.per_client) == {0, 7}
+    for state in (res.global_state, res.per_client[0], res.per_client[7]):
+        assert set(state) == set(expected)
+        for k, v in expected.items():
+            np.testing.assert_allclose(state[k], v, rtol=0, atol=1e-6)
+
+
+# ---------------------------------------------------------------- FlexLoRA
+
+
+def random_update(rng, pid, rank, alpha, n, dims):
+    state = {}
+    for module, (out, inp) in dims.items():
+        state[module + A] = f32(rng.normal(size=(rank, inp)))
+        state[module + B] = f32(rng.normal(size=(out, rank)))
+    return ClientUpdate(pid, "m", rank, alpha, n, state)
+
+
+def test_flexlora_is_exact_at_full_rank_and_optimal_when_truncated():
+    rng = np.random.default_rng(0)
+    dims = {"q": (6, 5), "v": (7, 8)}
+    ups = [random_update(rng, 0, 1, 2.0, 1, dims), random_update(rng, 1, 2, 2.0, 3, dims)]
+    w = [0.25, 0.75]
+    states, info = flexlora(ups, [1, 2, 3], [1.0, 4.0, 6.0])
+    errors = {1: [], 2: [], 3: []}
+    for module, (out, inp) in dims.items():
+        dw = sum(wk * delta(u.state, module, u.rank, u.alpha) for wk, u in zip(w, ups))  # rank 3
+        for state, r, alpha in zip(states, [1, 2, 3], [1.0, 4.0, 6.0]):
+            assert state[module + A].shape == (r, inp) and state[module + B].shape == (out, r)
+            assert state[module + A].dtype == np.float32
+            want, err = best_rank(dw, r)
+            np.testing.assert_allclose(delta(state, module, r, alpha), want, atol=1e-4)
+            errors[r].append(err)
+    assert info["method"] == "flexlora"
+    assert errors[3] == pytest.approx([0, 0], abs=1e-6)  # rank(ΔW) = 3: exact
+    for r in (1, 2, 3):
+        assert info["truncation_error"][r] == pytest.approx(np.mean(errors[r]), abs=1e-5)
+    assert 0 < info["truncation_error"][2] < info["truncation_error"][1] < 1
+
+
+def test_aggregate_group_different_ranks():
+    rng = np.random.default_rng(1)
+    a0, b0 = f32(rng.normal(size=(1, 5))), f32(rng.normal(size=(6, 1)))
+    x, y = f32(rng.normal(size=(1, 5))), f32(rng.normal(size=(6, 1)))
+    # Client 1 spans client 0's direction plus one more: ΔW has rank 2 = the largest rank.
+    u0 = ClientUpdate(3, "m", 1, 1.0, 2, {"q" + A: a0, "q" + B: b0})
+    u1 = ClientUpdate(5, "m", 2, 4.0, 6, {"q" + A: np.vstack([a0, x]), "q" + B: np.hstack([b0, y])})
+    dw = 0.25 * delta(u0.state, "q", 1, 1.0) + 0.75 * delta(u1.state, "q", 2, 4.0)
+    assert np.linalg.matrix_rank(dw) == 2
+
+    res = aggregate_group([u0, u1], method="flexlora")
+    assert (res.global_rank, res.global_alpha) == (2, 4.0)
+    assert res.per_client[3]["q" + A].shape == (1, 5) and res.per_client[3]["q" + B].shape == (6, 1)
+    assert res.per_client[5]["q" + A].shape == (2, 5) and res.per_client[5]["q" + B].shape == (6, 2)
+    np.testing.assert_allclose(delta(res.per_client[5], "q", 2, 4.0), dw, atol=1e-5)
+    np.testing.assert_allclose(delta(res.global_state, "q", 2, 4.0), dw, atol=1e-5)
+    want, err = best_rank(dw, 1)
+    np.testing.assert_allclose(delta(res.per_client[3], "q", 1, 1.0), want, atol=1e-5)
+    assert res.info["truncation_error"][1] == pytest.approx(err, abs=1e-5)
+    assert res.info["truncation_error"][2] == pytest.approx(0, abs=1e-5)
+
+
+def test_flexlora_zero_update_keeps_a_trainable():
+    rng = np.random.default_rng(2)
+    ups = [random_update(rng, 0, 2, 4.0, 1, {"q": (6, 5)}),
+           random_update(rng, 1, 4, 8.0, 1, {"q": (6, 5)})]
+    for u in ups:
+        u.state["q" + B][:] = 0  # peft's init: B = 0, so ΔW = 0
+    states, info = flexlora(ups, [2, 4], [4.0, 8.0])
+    for state, r in zip(states, [2, 4]):
+        np.testing.assert_array_equal(state["q" + B], np.zeros((6, r)))
+        a = state["q" + A]
+        np.testing.assert_allclose(a @ a.T, np.eye(r), atol=1e-5)  # orthonormal rows, not zeros
+    assert info["truncation_error"] == {2: 0.0, 4: 0.0}
+
+
+def test_flexlora_rejects_too_large_target_rank():
+    rng = np.random.default_rng(3)
+    ups = [random_update(rng, 0, 1, 1.0, 1, {"q": (6, 5)}),
+           random_update(rng, 1, 2, 2.0, 1, {"q": (6, 5)})]
+    with pytest.raises(ValueError, match="target rank 4 exceeds"):
+        flexlora(ups, [4], [4.0])
+
+
+def test_unknown_method():
+    u = ClientUpdate(0, "m", 1, 1.0, 1, {"q" + A: f32([[1]]), "q" + B: f32([[1]])})
+    with pytest.raises(ValueError, match="valid: flexlora"):
+        aggregate_group([u], method="flora")
+
+
+# ---------------------------------------------------------------- validation
+
+
+def good_update():
+    return ClientUpdate(4, "smollm2-135m", 2, 4.0, 10, {
+        "l0.q" + A: np.ones((2, 5), np.float32), "l0.q" + B: np.ones((6, 2), np.float32),
+        "l0.v" + A: np.ones((2, 5), np.float32), "l0.v" + B: np.ones((3, 2), np.float32)})
+
+
+def test_module_shapes():
+    assert module_shapes(good_update().state) == {"l0.q": (6, 5), "l0.v": (3, 5)}
+
+
+def test_validate_accepts_good_update():
+    validate_update(good_update(), "smollm2-135m", {"l0.q": (6, 5), "l0.v": (3, 5)})
+    validate_update(good_update(), "smollm2-135m", None)
+
+
+@pytest.mark.parametrize("tamper, message", [
+    (lambda u: u.state["l0.q" + A].__setitem__((0, 0), np.nan), "l0.q.lora_A.weight contains NaN"),
+    (lambda u: u.state["l0.v" + B].__setitem__((1, 1), np.inf), "l0.v.lora_B.weight contains Inf"),
+    (lambda u: u.state.__setitem__("l0.q" + A, np.ones((3, 5), np.float32)), "match rank 2"),
+    (lambda u: u.state.__setitem__("l0.q" + B, np.ones((6, 3), np.float32)), "match rank 2"),
+    (lambda u: u.state.__setitem__("l0.q" + A, np.ones(10, np.float32)), "must be 2-D"),
+    (lambda u: u.state.__setitem__("l0.q" + A, np.ones((2, 5), np.int32)), "not a float array"),
+    (lambda u: setattr(u, "model", "gemma3-270m"),
+     "model group 'gemma3-270m', expected 'smollm2-135m'"),
+    (lambda u: u.state.pop("l0.v" + B), "l0.v has lora_A but no lora_B"),
+    (lambda u: setattr(u, "num_examples", 0), "num_examples must be > 0"),
+    (lambda u: setattr(u, "rank", 0), "rank and alpha must be > 0"),
+    (lambda u: u.state.clear(), "empty adapter state"),
+    (lambda u: u.state.__setitem__("l0.q.bias", np.ones((2, 2), np.float32)), "unexpected key"),
+    (lambda u: [u.state.pop("l0.v" + A), u.state.pop("l0.v" + B)],
+     r"module set differs from the reference: missing \['l0.v'\]"),
+    (lambda u: u.state.update({"l1.q" + A: np.ones((2, 5), np.float32),
+                               "l1.q" + B: np.ones((6, 2), np.float32)}),
+     r"unexpected \['l1.q'\]"),
+    (lambda u: u.state.__setitem__("l0.v" + A, np.ones((2, 7), np.float32)),
+     r"l0.v is \(out, in\) = \(3, 7\), reference \(3, 5\)"),
+])
+def test_validate_rejects(tamper, message):
+    u = good_update()
+    tamper(u)
+    with pytest.raises(MalformedUpdateError, match=message):
+        validate_update(u, "smollm2-135m", {"l0.q": (6, 5), "l0.v": (3, 5)})
