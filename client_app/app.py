@@ -11,11 +11,15 @@ Message types (the ServerApp sends the resolved config in every message):
 from __future__ import annotations
 
 import time
+import warnings
 
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from client_app.local import LocalClient
+
+# peft calls a transformers property that transformers 5 deprecated; nothing to act on.
+warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
 app = ClientApp()
 

@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 
 from edgefuse.config import CONF_DIR, validate
 from edgefuse.models import cache_dir, fetch, get_spec, is_fetched
-from edgefuse.results import load_results, print_summary
+from edgefuse.results import load_results
 
 APP_DIR = CONF_DIR.parent
 
@@ -32,6 +32,7 @@ FLOWER_ENV = {
     "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
     "FLWR_TELEMETRY_ENABLED": "0",
     "FLWR_DISABLE_UPDATE_CHECK": "1",
+    "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
 }
 
 
@@ -82,7 +83,9 @@ def run_flower(cfg: DictConfig, overrides: list[str], out: Path) -> dict:
     cmd = [flwr, "run", str(APP_DIR), "local", "--stream",
            "--federation-config", fed, "--run-config", str(run_config)]
     print("[edgefuse] " + shlex.join(cmd), flush=True)
-    proc = subprocess.run(cmd, env={**os.environ, **FLOWER_ENV})
+    # flwr starts `flower-superlink` from PATH: make this environment's scripts visible.
+    path = os.pathsep.join([str(Path(flwr).parent), os.environ.get("PATH", "")])
+    proc = subprocess.run(cmd, env={**os.environ, **FLOWER_ENV, "PATH": path})
     results_path = out / "results.json"
     if not results_path.exists():
         raise RunFailed(f"`flwr run` exited with {proc.returncode} and wrote no {results_path}")
@@ -104,5 +107,5 @@ def hydra_main(cfg: DictConfig) -> None:
     hc = HydraConfig.get()
     out = Path(hc.runtime.output_dir).resolve()
     prefetch(cfg)
-    results = run_flower(cfg, pinned_overrides(cfg, list(hc.overrides.task)), out)
-    print_summary(results, out_dir=out)
+    run_flower(cfg, pinned_overrides(cfg, list(hc.overrides.task)), out)
+    print(f"[edgefuse] done: {out}", flush=True)

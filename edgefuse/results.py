@@ -41,6 +41,7 @@ import json
 import logging
 import math
 import os
+import sys
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -484,7 +485,8 @@ def print_summary(results: Mapping, console: Console | None = None, out_dir: str
 
     ``out_dir`` defaults to ``results["summary"]["out_dir"]`` (set by :class:`RunRecorder`).
     """
-    console = console or Console()
+    # Logs and CI are no terminal: rich would fall back to 80 columns and truncate cells.
+    console = console or Console(width=None if sys.stdout.isatty() else 140)
     console.print(console_table(results))
     if results.get("error"):
         console.print(Text.assemble(("error: ", "red"), str(results["error"])))
