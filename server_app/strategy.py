@@ -48,7 +48,9 @@ class GroupedLoRA:
         self.cfg_json = to_json(self.cfg)
 
     # -- messages -----------------------------------------------------------------
-    def _content(self, round_idx: int, state: dict | None) -> tuple[RecordDict, int]:
+    def content(self, round_idx: int, state: dict | None) -> tuple[RecordDict, int]:
+        """Message content: the config, and the packed adapter when ``state`` is given;
+        plus the adapter's payload bytes (arrays + index)."""
         config = {"cfg": self.cfg_json, "round": round_idx}
         content = RecordDict()
         nbytes = 0
@@ -62,7 +64,7 @@ class GroupedLoRA:
 
     def info_messages(self, node_ids) -> list[Message]:
         """``query.info`` to nodes not yet identified."""
-        content, _ = self._content(0, None)
+        content, _ = self.content(0, None)
         return [Message(content, dst_node_id=n, message_type="query.info")
                 for n in node_ids if n not in self.nodes]
 
@@ -89,6 +91,11 @@ class GroupedLoRA:
             return group.per_client[node.partition_id]
         if node.lora_rank == group.global_rank:
             return group.global_state
+        if node.lora_rank > group.global_rank:
+            log.warning("partition %d (rank %d) missed the aggregation and exceeds the "
+                        "global rank %d: it restarts from its initial adapter",
+                        node.partition_id, node.lora_rank, group.global_rank)
+            return None
         # A client that missed the last aggregation: re-factor the global to its rank.
         upd = ClientUpdate(-1, node.model, group.global_rank, group.global_alpha, 1,
                            group.global_state)
@@ -99,7 +106,7 @@ class GroupedLoRA:
         """One message per identified node, each with its own adapter; and bytes per node."""
         msgs, nbytes = [], {}
         for node in self.nodes.values():
-            content, nbytes[node.node_id] = self._content(round_idx, self.client_state(node))
+            content, nbytes[node.node_id] = self.content(round_idx, self.client_state(node))
             msgs.append(Message(content, dst_node_id=node.node_id, message_type=message_type))
         return msgs, nbytes
 
