@@ -8,12 +8,13 @@ output folder after every round.
 
 from __future__ import annotations
 
-import logging
 import time
 from datetime import datetime
+from logging import INFO, WARNING
 from pathlib import Path
 
 from flwr.app import Context
+from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 from omegaconf import OmegaConf
 
@@ -23,7 +24,6 @@ from edgefuse.models import get_spec
 from edgefuse.results import RunRecorder, print_summary
 from server_app.strategy import GroupedLoRA
 
-log = logging.getLogger("edgefuse.server")
 app = ServerApp()
 
 
@@ -71,8 +71,7 @@ def main(grid: Grid, context: Context) -> None:
     cfg = compose(str(rc.get("experiment", "default")), str(rc.get("overrides", "")))
     out = output_dir(rc, cfg)
     out.mkdir(parents=True, exist_ok=True)
-    log.info("edgefuse: experiment %s, outputs in %s", cfg.experiment.name, out)
-    print(f"[edgefuse] outputs: {out}", flush=True)
+    log(INFO, "edgefuse: experiment %s, outputs in %s", cfg.experiment.name, out)
     recorder = RunRecorder(out, OmegaConf.to_container(cfg, resolve=True))
     recorder.save()
     strategy = GroupedLoRA(cfg)
@@ -85,8 +84,10 @@ def main(grid: Grid, context: Context) -> None:
             t0 = time.perf_counter()
             errors = strategy.add_info(grid.send_and_receive(strategy.info_messages(node_ids), timeout=timeout))
             for e in errors:
-                log.warning("round %d: node info failed: %s", r, e)
+                log(WARNING, "round %d: node info failed: %s", r, e)
             msgs, sent = strategy.configure(r, "train")
+            log(INFO, "round %d/%d: training %d clients (%d steps each)", r, fed.num_rounds,
+                len(msgs), cfg.training.steps_per_round)
             replies = list(grid.send_and_receive(msgs, timeout=timeout))
             t_train = time.perf_counter() - t0
             t1 = time.perf_counter()
@@ -96,6 +97,8 @@ def main(grid: Grid, context: Context) -> None:
                 save_adapters(cfg, strategy, group_rows, out, r)
             t2 = time.perf_counter()
             msgs, sent = strategy.configure(r, "evaluate")
+            log(INFO, "round %d/%d: aggregated %s in %.2f s; evaluating", r, fed.num_rounds,
+                ", ".join(f"{g['model']} ({g['method']})" for g in group_rows), t_agg)
             strategy.aggregate_evaluate(rows, grid.send_and_receive(msgs, timeout=timeout), sent)
             t_eval = time.perf_counter() - t2
             recorder.add_round({
@@ -116,10 +119,13 @@ def main(grid: Grid, context: Context) -> None:
 
 
 def _log_round(r: int, rows: list[dict]) -> None:
+    def f(x):
+        return "-" if x is None else f"{x:.4f}"
+
     for row in rows:
-        log.info("round %d p%d %s r%d: %s train %.3f eval %s base %s", r, row["partition_id"],
-                 row["model"], row["lora_rank"], row["status"], row["train_loss"] or float("nan"),
-                 row["eval_loss"], row["base_eval_loss"])
+        log(INFO, "round %d  p%d %-20s r%-3d %-8s train %s  eval %s  (base %s)", r,
+            row["partition_id"], row["model"], row["lora_rank"], row["status"],
+            f(row["train_loss"]), f(row["eval_loss"]), f(row["base_eval_loss"]))
 
 
 def _peak_rss() -> int:

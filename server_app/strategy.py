@@ -8,11 +8,12 @@ arrays between Flower messages and those functions, and records what happened.
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
+from logging import WARNING
 
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.common.logger import log
 from omegaconf import DictConfig
 
 from edgefuse.aggregation import (ClientUpdate, GroupResult, MalformedUpdateError,
@@ -20,7 +21,6 @@ from edgefuse.aggregation import (ClientUpdate, GroupResult, MalformedUpdateErro
 from edgefuse.config import to_json
 from edgefuse.lora import adapter_nbytes, pack_adapter, unpack_adapter
 
-log = logging.getLogger("edgefuse.server")
 
 
 class NoClientSucceeded(RuntimeError):
@@ -92,7 +92,7 @@ class GroupedLoRA:
         if node.lora_rank == group.global_rank:
             return group.global_state
         if node.lora_rank > group.global_rank:
-            log.warning("partition %d (rank %d) missed the aggregation and exceeds the "
+            log(WARNING, "partition %d (rank %d) missed the aggregation and exceeds the "
                         "global rank %d: it restarts from its initial adapter",
                         node.partition_id, node.lora_rank, group.global_rank)
             return None
@@ -138,18 +138,20 @@ class GroupedLoRA:
             row, node = rows[nid], self.nodes[nid]
             if msg.has_error():
                 row["reason"] = f"client error: {msg.error.reason}"
-                log.warning("round %d: partition %d failed: %s", round_idx, node.partition_id,
+                log(WARNING, "round %d: partition %d failed: %s", round_idx, node.partition_id,
                             msg.error.reason)
                 continue
             try:
                 upd, metrics, nbytes = self._parse_update(msg, node)
                 row.update(bytes_up=nbytes, train_loss=float(metrics["train_loss"]),
                            seconds=float(metrics["seconds"]),
-                           num_examples=int(metrics["num_examples"]))
+                           num_examples=int(metrics["num_examples"]),
+                           train_seconds=float(metrics.get("train_seconds", 0.0)),
+                           load_seconds=float(metrics.get("load_seconds", 0.0)))
                 validate_update(upd, node.model, self.shapes.get(node.model))
             except (MalformedUpdateError, KeyError, TypeError, ValueError) as e:
                 row.update(status="rejected", reason=str(e))
-                log.warning("round %d: rejected the update of partition %d: %s", round_idx,
+                log(WARNING, "round %d: rejected the update of partition %d: %s", round_idx,
                             node.partition_id, e)
                 continue
             row.update(status="ok", reason=None)
@@ -195,7 +197,7 @@ class GroupedLoRA:
                 continue
             row = by_pid[node.partition_id]
             if msg.has_error():
-                log.warning("evaluate: partition %d failed: %s", node.partition_id, msg.error.reason)
+                log(WARNING, "evaluate: partition %d failed: %s", node.partition_id, msg.error.reason)
                 row["eval_error"] = msg.error.reason
                 continue
             m = msg.content["metrics"]

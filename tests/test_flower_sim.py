@@ -1,0 +1,78 @@
+"""End to end through `edgefuse run` -> `flwr run` -> a local SuperLink and Ray clients."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, mirror_path
+
+pytestmark = pytest.mark.integration
+
+
+def run_edgefuse(tmp_path: Path, *overrides: str) -> dict:
+    env = dict(os.environ)
+    if mirror_path():
+        env["EDGEFUSE_DATA_MIRROR"] = str(mirror_path())
+    cmd = [sys.executable, "-m", "edgefuse.cli", "run", f"outputs.root={tmp_path}", *overrides]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+    runs = sorted(p for p in tmp_path.iterdir() if (p / "results.json").exists())
+    assert proc.returncode == 0 and runs, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads((runs[-1] / "results.json").read_text())
+
+
+@pytest.fixture(autouse=True)
+def _need_mirror():
+    if mirror_path() is None:
+        pytest.skip("no data mirror: set EDGEFUSE_DATA_MIRROR or place ../shared/data")
+
+
+def test_tiny_federation_survives_a_crashing_client(tmp_path):
+    broken = tmp_path / "not-a-model"
+    broken.mkdir()
+    res = run_edgefuse(tmp_path / "out", "experiment=tiny", f"federation.clients.3.model={broken}")
+    assert res["status"] == "completed"
+    last = res["rounds"][-1]
+    rows = {c["partition_id"]: c for c in last["clients"]}
+    assert rows[3]["status"] == "failed" and "client error" in rows[3]["reason"]
+    for pid in (0, 1, 2):
+        assert rows[pid]["status"] == "ok"
+        assert rows[pid]["eval_loss"] < rows[pid]["base_eval_loss"]
+        assert rows[pid]["bytes_up"] > 0 and rows[pid]["bytes_down"] > 0
+    groups = {g["model"]: g for g in last["groups"]}
+    assert groups["tiny-llama"]["clients"] == [0, 1] and groups["tiny-llama"]["method"] == "flexlora"
+    assert groups["tiny-qwen2"]["method"] == "fedavg"
+    assert Path(groups["tiny-llama"]["adapter_dir"], "adapter_model.safetensors").is_file()
+    out = Path(res["summary"]["out_dir"])
+    for name in ("results.csv", "eval_loss.png", "bytes.png"):
+        assert (out / name).stat().st_size > 0
+    csv_rows = (out / "results.csv").read_text().strip().splitlines()
+    assert len(csv_rows) == 1 + 4 * len(res["rounds"])
+
+
+def test_smoke_federation_with_real_smollm2(tmp_path):
+    from peft import PeftModel
+
+    from edgefuse.models import load_model
+
+    res = run_edgefuse(tmp_path, "experiment=smoke")
+    assert res["status"] == "completed"
+    assert res["config"]["federation"]["clients"][0]["model"] == "smollm2-135m"
+    last = res["rounds"][-1]
+    for row in last["clients"]:
+        assert row["status"] == "ok"
+        assert row["eval_loss"] < row["base_eval_loss"], row  # held-out loss fell
+    group = last["groups"][0]
+    assert group["method"] == "flexlora"  # ranks 4 and 8 in one group
+    model, tok = load_model("smollm2-135m")
+    ids = tok("Give me three tips for staying focused.", return_tensors="pt").input_ids
+    with torch.no_grad():
+        base_logits = model(ids).logits
+        tuned = PeftModel.from_pretrained(model, group["adapter_dir"])
+        assert tuned.peft_config["default"].r == group["global_rank"] == 8
+        tuned_logits = tuned(ids).logits
+    assert not torch.allclose(base_logits, tuned_logits, atol=1e-4)
