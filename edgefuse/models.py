@@ -309,6 +309,9 @@ def resolve_path(spec: ModelSpec, root: str | os.PathLike | None = None, allow_f
             fetching failed; the message names the fetch command.
     """
     if not spec.embedded:
+        folder = Path(spec.name)
+        if folder.is_dir() and not (folder / "config.json").is_file():
+            raise ModelSpecError(f"{folder} has no config.json: not a transformers model folder")
         return spec.name
     if is_fetched(spec, root):
         return str(model_dir(spec, root))

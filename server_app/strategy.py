@@ -137,7 +137,7 @@ class GroupedLoRA:
                 continue
             row, node = rows[nid], self.nodes[nid]
             if msg.has_error():
-                row["reason"] = f"client error: {msg.error.reason}"
+                row["reason"] = f"client error: {last_line(msg.error.reason)}"
                 log(WARNING, "round %d: partition %d failed: %s", round_idx, node.partition_id,
                             msg.error.reason)
                 continue
@@ -198,7 +198,7 @@ class GroupedLoRA:
             row = by_pid[node.partition_id]
             if msg.has_error():
                 log(WARNING, "evaluate: partition %d failed: %s", node.partition_id, msg.error.reason)
-                row["eval_error"] = msg.error.reason
+                row["eval_error"] = last_line(msg.error.reason)
                 continue
             m = msg.content["metrics"]
             row.update(eval_loss=float(m["eval_loss"]), eval_ppl=float(m["eval_ppl"]),
@@ -206,3 +206,9 @@ class GroupedLoRA:
                        base_eval_ppl=float(m["base_eval_ppl"]),
                        eval_seconds=float(m["seconds"]))
 
+
+
+def last_line(text: str) -> str:
+    """The last non-empty line of a (traceback) text: the exception and its message."""
+    lines = [ln.strip() for ln in str(text).splitlines() if ln.strip()]
+    return lines[-1] if lines else str(text)

@@ -1,5 +1,6 @@
 """End to end through `edgefuse run` -> `flwr run` -> a local SuperLink and Ray clients."""
 
+import csv
 import json
 import os
 import subprocess
@@ -38,7 +39,7 @@ def test_tiny_federation_survives_a_crashing_client(tmp_path):
     assert res["status"] == "completed"
     last = res["rounds"][-1]
     rows = {c["partition_id"]: c for c in last["clients"]}
-    assert rows[3]["status"] == "failed" and "client error" in rows[3]["reason"]
+    assert rows[3]["status"] == "failed" and "no config.json" in rows[3]["reason"]
     for pid in (0, 1, 2):
         assert rows[pid]["status"] == "ok"
         assert rows[pid]["eval_loss"] < rows[pid]["base_eval_loss"]
@@ -50,8 +51,23 @@ def test_tiny_federation_survives_a_crashing_client(tmp_path):
     out = Path(res["summary"]["out_dir"])
     for name in ("results.csv", "eval_loss.png", "bytes.png"):
         assert (out / name).stat().st_size > 0
-    csv_rows = (out / "results.csv").read_text().strip().splitlines()
-    assert len(csv_rows) == 1 + 4 * len(res["rounds"])
+    with open(out / "results.csv", newline="") as f:
+        csv_rows = list(csv.DictReader(f))
+    assert len(csv_rows) == 4 * len(res["rounds"])
+    assert {r["status"] for r in csv_rows if r["partition_id"] == "3"} == {"failed"}
+
+
+def test_multirun_sweep_gives_one_folder_per_job(tmp_path):
+    env = dict(os.environ, EDGEFUSE_DATA_MIRROR=str(mirror_path()))
+    cmd = [sys.executable, "-m", "edgefuse.cli", "run", "--multirun", f"outputs.root={tmp_path}",
+           "experiment=tiny", "federation.num_rounds=1", "training.lr=1e-3,3e-2"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    jobs = sorted(tmp_path.glob("multirun/*/*/results.json"))
+    assert len(jobs) == 2
+    lrs = sorted(json.loads(j.read_text())["config"]["training"]["lr"] for j in jobs)
+    assert lrs == [1e-3, 3e-2]
+    assert all(json.loads(j.read_text())["status"] == "completed" for j in jobs)
 
 
 def test_smoke_federation_with_real_smollm2(tmp_path):

@@ -93,3 +93,8 @@ def test_tiny_models_keep_their_architecture(name, arch):
     assert (tok.chat_template is not None) == (arch != "gemma3_text")
     if arch == "gemma3_text":
         assert set(model.config.layer_types) == {"sliding_attention", "full_attention"}
+
+
+def test_a_folder_without_a_model_is_a_clear_error(tmp_path):
+    with pytest.raises(ModelSpecError, match="no config.json"):
+        models.load_model(str(tmp_path))
