@@ -55,15 +55,15 @@ class PeakSampler(threading.Thread):
 
     def __init__(self, interval: float = 0.5):
         super().__init__(daemon=True)
-        self.interval, self.peak, self._stop = interval, 0, threading.Event()
+        self.interval, self.peak, self._halt = interval, 0, threading.Event()
 
     def run(self):
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             self.peak = max(self.peak, federation_rss())
-            self._stop.wait(self.interval)
+            self._halt.wait(self.interval)
 
     def stop(self) -> int:
-        self._stop.set()
+        self._halt.set()
         self.join()
         return self.peak
 

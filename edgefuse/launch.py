@@ -21,8 +21,9 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from edgefuse.config import CONF_DIR, validate
-from edgefuse.models import cache_dir, fetch, get_spec, is_fetched
+from edgefuse.config import CONF_DIR, ConfigError, validate
+from edgefuse.models import (ModelFetchError, ModelSpecError, cache_dir, fetch, get_spec,
+                             is_fetched)
 from edgefuse.results import load_results
 
 APP_DIR = CONF_DIR.parent
@@ -103,9 +104,13 @@ def _toml_str(s: str) -> str:
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
 def hydra_main(cfg: DictConfig) -> None:
     """One Hydra job = one federated run, in the job's own output folder."""
-    validate(cfg)
     hc = HydraConfig.get()
     out = Path(hc.runtime.output_dir).resolve()
-    prefetch(cfg)
-    run_flower(cfg, pinned_overrides(cfg, list(hc.overrides.task)), out)
+    try:
+        validate(cfg)
+        prefetch(cfg)
+        run_flower(cfg, pinned_overrides(cfg, list(hc.overrides.task)), out)
+    except (ConfigError, ModelSpecError, ModelFetchError, RunFailed) as e:
+        print(f"edgefuse: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
     print(f"[edgefuse] done: {out}", flush=True)

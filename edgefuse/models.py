@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,7 @@ class ModelSpec:
         chat_template: whether the tokenizer has a chat template (else a plain one is used).
         target_modules: default LoRA target modules.
         license_note: provenance, shown by ``edgefuse models list``.
+        tiny: a random-weight test model built in code (no weights to fetch).
     """
 
     name: str
@@ -66,7 +67,6 @@ class ModelSpec:
     target_modules: tuple[str, ...] = ("q_proj", "v_proj")
     license_note: str = ""
     tiny: bool = False
-    extra: dict = field(default_factory=dict)
 
     @property
     def embedded(self) -> bool:
