@@ -1,7 +1,7 @@
-"""Benchmark the main job: wall time, peak RSS, per-round time split, bytes per round.
+"""Benchmark the main job: wall time, peak memory (PSS), per-round time split, bytes per round.
 
 Runs ``edgefuse run experiment=<name>`` for each experiment (default: smoke and default)
-one after the other in this process's environment, samples the memory of every process
+one after the other in this process's environment, samples the memory (PSS) of every process
 of the federation (launcher, SuperLink, simulation, Ray workers) every 0.5 s, and reads
 the per-round timings and bytes from each run's results.json.
 
@@ -37,21 +37,25 @@ FEDERATION_MARKERS = ("flower-superlink", "flwr-simulation", "flwr", "ray::", "r
                       "gcs_server", "edgefuse", "default_worker.py")
 
 
-def federation_rss() -> int:
-    """Summed RSS (bytes) of all processes that look like part of the federation."""
+def federation_memory() -> int:
+    """Summed PSS (bytes) of all processes that look like part of the federation.
+
+    PSS (proportional set size) splits shared pages (torch's libraries, Ray's object store)
+    between the processes that map them, so the sum is not inflated the way an RSS sum is.
+    """
     total = 0
-    for p in psutil.process_iter(["cmdline", "memory_info"]):
+    for p in psutil.process_iter(["cmdline"]):
         try:
             cmd = " ".join(p.info["cmdline"] or [])
             if p.pid != os.getpid() and any(m in cmd for m in FEDERATION_MARKERS):
-                total += p.info["memory_info"].rss
-        except (psutil.NoSuchProcess, psutil.AccessDenied, TypeError):
+                total += p.memory_full_info().pss
+        except (psutil.NoSuchProcess, psutil.AccessDenied, TypeError, AttributeError):
             continue
     return total
 
 
 class PeakSampler(threading.Thread):
-    """Samples :func:`federation_rss` every ``interval`` seconds; keeps the peak."""
+    """Samples :func:`federation_memory` every ``interval`` seconds; keeps the peak."""
 
     def __init__(self, interval: float = 0.5):
         super().__init__(daemon=True)
@@ -59,7 +63,7 @@ class PeakSampler(threading.Thread):
 
     def run(self):
         while not self._halt.is_set():
-            self.peak = max(self.peak, federation_rss())
+            self.peak = max(self.peak, federation_memory())
             self._halt.wait(self.interval)
 
     def stop(self) -> int:
@@ -109,7 +113,7 @@ def run_experiment(name: str, out_root: Path, extra: list[str]) -> dict:
         "clients": len(last),
         "models": sorted({c["model"] for c in last}),
         "wall_s": wall,
-        "peak_rss_bytes": peak,
+        "peak_pss_bytes": peak,
         "rounds": rounds,
         "max_aggregate_s": max(r["aggregate_s"] for r in rounds),
         "final_minus_base_loss": {f"p{c['partition_id']} {c['model']} r{c['lora_rank']}":
@@ -142,7 +146,8 @@ def plot(report: dict, path: Path) -> None:
             ax.bar(x, vals, bottom=bottom, label=label)
             bottom = [b + v for b, v in zip(bottom, vals)]
         ax.set_title(f"{e['experiment']}: {e['wall_s']:.0f} s wall, "
-                     f"peak RSS {e['peak_rss_bytes'] / 2**30:.1f} GiB")
+                     f"peak PSS {e['peak_pss_bytes'] / 2**30:.1f} GiB")
+        ax.set_xticks(x)
         ax.set_xlabel("round")
         ax.set_ylabel("seconds")
         ax.legend(fontsize=8)
@@ -150,6 +155,7 @@ def plot(report: dict, path: Path) -> None:
         w = 0.4
         ax.bar([i - w / 2 for i in x], [r["bytes_up"] / 1e6 for r in rs], w, label="uplink")
         ax.bar([i + w / 2 for i in x], [r["bytes_down"] / 1e6 for r in rs], w, label="downlink")
+        ax.set_xticks(x)
         ax.set_xlabel("round")
         ax.set_ylabel("MB per round (all clients)")
         ax.legend(fontsize=8)
@@ -180,20 +186,20 @@ def main(argv=None) -> int:
         e["parallel_clients"] = max(1, min(e["clients"], (psutil.cpu_count() or 1)
                                            // int(cfg["federation"]["client_num_cpus"])))
         report["experiments"].append(e)
-        print(f"[bench] {name}: {e['wall_s']:.0f} s, peak RSS {e['peak_rss_bytes'] / 2**30:.2f} GiB, "
+        print(f"[bench] {name}: {e['wall_s']:.0f} s, peak PSS {e['peak_pss_bytes'] / 2**30:.2f} GiB, "
               f"max aggregation {e['max_aggregate_s'] * 1000:.0f} ms/round", flush=True)
     if len(report["experiments"]) > 1:
         a, b = report["experiments"][0], report["experiments"][-1]
         report["ratios"] = {f"{b['experiment']}/{a['experiment']} wall": b["wall_s"] / a["wall_s"],
-                            f"{b['experiment']}/{a['experiment']} peak_rss":
-                                b["peak_rss_bytes"] / max(a["peak_rss_bytes"], 1)}
+                            f"{b['experiment']}/{a['experiment']} peak_pss":
+                                b["peak_pss_bytes"] / max(a["peak_pss_bytes"], 1)}
     for e in report["experiments"]:
         total = sum(r["round_s"] for r in e["rounds"])
         e["aggregation_share_of_round_time"] = sum(r["aggregate_s"] for r in e["rounds"]) / total
     atomic_write_json(out, report)
     plot(report, out.with_suffix(".png"))
     print(json.dumps({e["experiment"]: {"wall_s": round(e["wall_s"], 1),
-                                        "peak_rss_GiB": round(e["peak_rss_bytes"] / 2**30, 2),
+                                        "peak_pss_GiB": round(e["peak_pss_bytes"] / 2**30, 2),
                                         "max_aggregate_ms": round(e["max_aggregate_s"] * 1e3, 1)}
                       for e in report["experiments"]}, indent=2))
     print(f"[bench] wrote {out} and {out.with_suffix('.png')}")
