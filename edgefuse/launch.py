@@ -22,8 +22,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from edgefuse.config import CONF_DIR, ConfigError, validate
-from edgefuse.models import (ModelFetchError, ModelSpecError, cache_dir, fetch, get_spec,
-                             is_fetched)
+from edgefuse.models import ModelFetchError, ModelSpecError, cache_dir, get_spec, is_fetched
 from edgefuse.results import load_results
 
 APP_DIR = CONF_DIR.parent
@@ -56,11 +55,26 @@ def pinned_overrides(cfg: DictConfig, task_overrides: list[str]) -> list[str]:
 
 
 def prefetch(cfg: DictConfig) -> None:
-    """Fetch every embedded model the federation names (clients would race otherwise)."""
+    """Fetch every embedded model the federation names (clients would race otherwise).
+
+    Runs in a child process, so the gigabytes a GGUF conversion touches go back to the
+    system before the federation starts.
+
+    Raises:
+        ModelSpecError: an unknown model name.
+        ModelFetchError: the fetch failed (its message is printed above).
+    """
+    missing = []
     for name in dict.fromkeys(str(c.model) for c in cfg.federation.clients):
         spec = get_spec(name)
         if spec.embedded and not is_fetched(spec, cfg.paths.cache_dir):
-            fetch(name, cfg.paths.cache_dir)
+            missing.append(name)
+    if not missing:
+        return
+    cmd = [sys.executable, "-m", "edgefuse.cli", "models", "fetch", *missing,
+           "--cache-dir", str(cache_dir(cfg.paths.cache_dir))]
+    if subprocess.run(cmd).returncode != 0:
+        raise ModelFetchError(f"fetching {', '.join(missing)} failed (see above)")
 
 
 def run_flower(cfg: DictConfig, overrides: list[str], out: Path) -> dict:
