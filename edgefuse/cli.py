@@ -30,11 +30,16 @@ def _models(argv: list[str]) -> int:
 
         table = Table(title="edgefuse models")
         for col in ("name", "architecture", "hub id", "cached", "license"):
-            table.add_column(col)
+            table.add_column(col, no_wrap=col in ("name", "cached"))
         for spec in REGISTRY.values():
-            cached = "tiny (built in)" if spec.tiny else ("yes" if is_fetched(spec) else "no")
+            if spec.tiny:
+                cached = "built in"
+            elif is_fetched(spec):
+                cached = "yes"
+            else:
+                cached = "incomplete: re-fetch" if model_dir(spec).exists() else "no"
             table.add_row(spec.name, spec.arch, spec.hub_id or "-", cached, spec.license_note or "-")
-        Console().print(table)
+        Console(width=None if sys.stdout.isatty() else 160).print(table)
         return 0
     for name in args.names or EDGE_SLMS:
         try:

@@ -159,8 +159,14 @@ def model_dir(spec: ModelSpec, root: str | os.PathLike | None = None) -> Path:
 
 
 def is_fetched(spec: ModelSpec, root: str | os.PathLike | None = None) -> bool:
-    """True when the converted folder exists and is complete."""
-    return (model_dir(spec, root) / "edgefuse.json").is_file()
+    """True when the converted folder exists and is complete (marker, config, weights).
+
+    An incomplete folder (say, a deleted weights file) counts as not fetched, so
+    :func:`fetch` rebuilds it.
+    """
+    folder = model_dir(spec, root)
+    return ((folder / "edgefuse.json").is_file() and (folder / "config.json").is_file()
+            and any(folder.glob("*.safetensors")))
 
 
 def _sha256(path: Path) -> str:

@@ -22,7 +22,7 @@ results.json schema (an interface; keep stable)::
                      "truncation_error": float|None, "adapter_dir": str|None}]}
       ],
       "summary": {...free-form...},
-      "status": "running"|"completed"|"failed",
+      "status": "running"|"completed"|"failed"|"stopped",
       "error": str|None
     }
 
@@ -79,7 +79,7 @@ CSV_COLUMNS = (
     "status",
     "reason",
 )
-RUN_STATUSES = ("running", "completed", "failed")
+RUN_STATUSES = ("running", "completed", "failed", "stopped")
 MB = 1e6  # bytes per MB in plots and tables (decimal megabyte)
 
 
@@ -361,6 +361,9 @@ def _plain_config(config: Any) -> dict:
     return copy.deepcopy(dict(config or {}))
 
 
+FINAL_STATUSES = RUN_STATUSES[1:]
+
+
 class RunRecorder:
     """Accumulates one run's results and writes them into ``out_dir``.
 
@@ -369,7 +372,7 @@ class RunRecorder:
         rec = RunRecorder(out_dir, cfg)
         for r in rounds:
             rec.add_round({...})
-            rec.save()            # results.json + results.csv, status "running"
+            rec.save()            # results.json, results.csv and plots, status "running"
         rec.set_summary({...})
         rec.finish()              # status "completed", writes json, csv and plots
     """
@@ -401,16 +404,20 @@ class RunRecorder:
         self.results["summary"].update(copy.deepcopy(dict(summary)))
 
     def save(self) -> dict[str, Path]:
-        """Write results.json and results.csv atomically; returns their paths."""
+        """Write results.json and results.csv atomically, and the plots once a round exists
+        (so an interrupted run still has them); returns the paths written."""
+        if self.results["rounds"]:
+            return write_outputs(self.out_dir, self.results)
         return write_json_csv(self.out_dir, self.results)
 
     def finish(self, status: str = "completed", error: str | None = None) -> dict[str, Path]:
-        """Set the final status (``completed`` or ``failed``) and write every output.
+        """Set the final status (``completed``, ``failed`` or ``stopped``) and write every
+        output.
 
         Returns the paths from :func:`write_outputs`.
         """
-        if status not in ("completed", "failed"):
-            raise ValueError(f"finish status must be 'completed' or 'failed', not {status!r}")
+        if status not in FINAL_STATUSES:
+            raise ValueError(f"finish status must be one of {FINAL_STATUSES}, not {status!r}")
         self.results["status"] = status
         self.results["error"] = None if error is None else str(error)
         return write_outputs(self.out_dir, self.results)

@@ -98,3 +98,16 @@ def test_tiny_models_keep_their_architecture(name, arch):
 def test_a_folder_without_a_model_is_a_clear_error(tmp_path):
     with pytest.raises(ModelSpecError, match="no config.json"):
         models.load_model(str(tmp_path))
+
+
+def test_an_incomplete_cached_model_counts_as_not_fetched(tmp_path):
+    spec = get_spec("smollm2-135m")
+    folder = models.model_dir(spec, tmp_path)
+    folder.mkdir(parents=True)
+    for name in ("edgefuse.json", "config.json", "model.safetensors"):
+        (folder / name).write_text("{}")
+    assert models.is_fetched(spec, tmp_path)
+    (folder / "model.safetensors").unlink()  # e.g. a disk clean-up removed the weights
+    assert not models.is_fetched(spec, tmp_path)
+    with pytest.raises(ModelFetchError, match="edgefuse models fetch smollm2-135m"):
+        models.resolve_path(spec, root=tmp_path, allow_fetch=False)
