@@ -58,8 +58,8 @@ def validate(cfg: DictConfig) -> None:
     """Check the settings that would otherwise fail deep inside a client.
 
     Raises:
-        ConfigError: no clients, a non-positive rank / step count / round count, or a
-            client entry without a model.
+        ConfigError: no clients, a client entry without a model, a rank / step / round /
+            batch count that is not a positive integer, or a non-positive lr or timeout.
     """
     clients = cfg.federation.clients
     if not clients:
@@ -67,11 +67,24 @@ def validate(cfg: DictConfig) -> None:
     for i, c in enumerate(clients):
         if not c.get("model"):
             raise ConfigError(f"federation.clients[{i}] has no model")
-        if int(c.get("lora_rank", 0)) < 1:
-            raise ConfigError(f"federation.clients[{i}].lora_rank must be >= 1")
+        _positive_int(c.get("lora_rank", 0), f"federation.clients[{i}].lora_rank")
     for key in ("federation.num_rounds", "training.steps_per_round", "training.batch_size"):
-        if int(OmegaConf.select(cfg, key)) < 1:
-            raise ConfigError(f"{key} must be >= 1")
+        _positive_int(OmegaConf.select(cfg, key), key)
+    for key in ("training.lr", "federation.round_timeout_s"):
+        try:
+            if float(OmegaConf.select(cfg, key)) <= 0:
+                raise ValueError
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key} must be a positive number, got {OmegaConf.select(cfg, key)!r}") from None
+
+
+def _positive_int(value, key: str) -> None:
+    try:
+        ok = int(value) >= 1 and float(value) == int(value)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ConfigError(f"{key} must be an integer >= 1, got {value!r}")
 
 
 def to_json(cfg: DictConfig) -> str:

@@ -51,6 +51,26 @@ def _resolve_mirror_file(data_cfg) -> Path:
     return candidates[0].resolve()
 
 
+def mirror_file(data_cfg) -> Path | None:
+    """The dataset file in the configured mirror, or None when no mirror is set (hub).
+
+    Raises:
+        FileNotFoundError: a mirror is set but the file is not there; the message names
+            the config key ``data.mirror`` and the env var ``EDGEFUSE_DATA_MIRROR``.
+    """
+    mirror = data_cfg.get("mirror")
+    if mirror in (None, "", "null"):
+        return None
+    path = _resolve_mirror_file(data_cfg)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{data_cfg['name']} mirror file not found: {path} (data.mirror={str(mirror)!r}, "
+            f"data.mirror_file={data_cfg['mirror_file']!r}). Point data.mirror (or env "
+            f"EDGEFUSE_DATA_MIRROR) at the folder holding it, or set data.mirror=null "
+            f"to download {data_cfg['hub_id']!r} from the hub.")
+    return path
+
+
 def load_dolly(data_cfg):
     """Load the whole dataset named by ``data_cfg.name`` (only ``dolly`` for now).
 
@@ -72,15 +92,8 @@ def load_dolly(data_cfg):
     if name not in DATASETS:
         raise ValueError(f"unknown dataset data.name={name!r}; supported: {sorted(DATASETS)}")
     fmt, _ = DATASETS[name]
-    mirror = data_cfg.get("mirror")
-    if mirror not in (None, "", "null"):
-        path = _resolve_mirror_file(data_cfg)
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"{name} mirror file not found: {path} (data.mirror={str(mirror)!r}, "
-                f"data.mirror_file={data_cfg['mirror_file']!r}). Point data.mirror (or env "
-                f"EDGEFUSE_DATA_MIRROR) at the folder holding it, or set data.mirror=null "
-                f"to download {data_cfg['hub_id']!r} from the hub.")
+    path = mirror_file(data_cfg)
+    if path is not None:
         key = str(path)
         if key not in _CACHE:
             _CACHE[key] = datasets.load_dataset(fmt, data_files=key, split="train")

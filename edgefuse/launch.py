@@ -11,10 +11,12 @@ environment.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import hydra
@@ -23,7 +25,8 @@ from omegaconf import DictConfig
 
 from edgefuse.config import CONF_DIR, ConfigError, validate
 from edgefuse.models import ModelFetchError, ModelSpecError, cache_dir, get_spec, is_fetched
-from edgefuse.results import load_results
+from edgefuse.data import mirror_file
+from edgefuse.results import RunRecorder, load_results
 
 APP_DIR = CONF_DIR.parent
 
@@ -45,13 +48,38 @@ def _quote(value: str) -> str:
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
+def default_mirror() -> Path | None:
+    """``../shared/data`` beside the checkout, when it holds the data (the offline mirror)."""
+    cand = APP_DIR.parent / "shared" / "data"
+    return cand.resolve() if (cand / "dolly").is_dir() else None
+
+
 def pinned_overrides(cfg: DictConfig, task_overrides: list[str]) -> list[str]:
-    """The job's overrides plus this environment's cache and mirror as absolute paths."""
+    """The job's overrides plus this environment's cache and mirror, always explicit.
+
+    A long-lived local SuperLink composes the config in its own environment, so nothing
+    environment-dependent is left for it to fill in (``data.mirror=null`` = the hub).
+    """
     items = list(task_overrides)
     items.append(f"paths.cache_dir={_quote(str(cache_dir(cfg.paths.cache_dir)))}")
-    if cfg.data.get("mirror"):
-        items.append(f"data.mirror={_quote(str(Path(cfg.data.mirror).expanduser().resolve()))}")
+    mirror = cfg.data.get("mirror")
+    items.append("data.mirror=" + (_quote(str(Path(mirror).expanduser().resolve()))
+                                   if mirror else "null"))
     return items
+
+
+def foreign_superlink() -> str | None:
+    """The command line of a running local simulation SuperLink started from another
+    Python environment (its runs would use that environment's code), else None."""
+    import psutil
+
+    mine = str(Path(sys.executable).parent)
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if any(c.endswith("flower-superlink") for c in cmd[:2]) and "--simulation" in cmd:
+            if not any(c.startswith(mine) for c in cmd[:2]):
+                return " ".join(cmd[:2])
+    return None
 
 
 def prefetch(cfg: DictConfig) -> None:
@@ -80,8 +108,12 @@ def prefetch(cfg: DictConfig) -> None:
 def run_flower(cfg: DictConfig, overrides: list[str], out: Path) -> dict:
     """Run one simulation through ``flwr run``; return the parsed results.json.
 
+    ``flwr``'s output is streamed through; Ctrl-C stops the run on the SuperLink too
+    (``flwr stop``) and marks results.json ``stopped``.
+
     Raises:
         RunFailed: ``flwr`` is missing, exits non-zero, or results.json says failed.
+        KeyboardInterrupt: the user stopped the run.
     """
     flwr = shutil.which("flwr") or str(Path(sys.executable).parent / "flwr")
     if not Path(flwr).exists():
@@ -99,16 +131,60 @@ def run_flower(cfg: DictConfig, overrides: list[str], out: Path) -> dict:
            "--federation-config", fed, "--run-config", str(run_config)]
     print("[edgefuse] " + shlex.join(cmd), flush=True)
     # flwr starts `flower-superlink` from PATH: make this environment's scripts visible.
-    path = os.pathsep.join([str(Path(flwr).parent), os.environ.get("PATH", "")])
-    proc = subprocess.run(cmd, env={**os.environ, **FLOWER_ENV, "PATH": path})
+    env = {**os.environ, **FLOWER_ENV,
+           "PATH": os.pathsep.join([str(Path(flwr).parent), os.environ.get("PATH", "")])}
+    run_id = None
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, bufsize=1)
+    try:
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            if run_id is None and (m := re.search(r"started run (\d+)", line)):
+                run_id = m.group(1)
+        proc.wait()
+    except KeyboardInterrupt:
+        print(f"\n[edgefuse] interrupted: stopping run {run_id} ...", flush=True)
+        if run_id:
+            subprocess.run([flwr, "stop", run_id, "local"], env=env, capture_output=True)
+        proc.terminate()
+        _mark_stopped(out / "results.json")
+        raise
     results_path = out / "results.json"
     if not results_path.exists():
         raise RunFailed(f"`flwr run` exited with {proc.returncode} and wrote no {results_path}")
     results = load_results(results_path)
-    if proc.returncode != 0 or results.get("status") != "completed":
-        raise RunFailed(f"run failed (flwr exit {proc.returncode}): {results.get('error')}; "
-                        f"see {out}")
+    if results.get("status") != "completed":
+        raise RunFailed(f"the run {results.get('status')}: {results.get('error')} (see {out})")
+    if proc.returncode != 0:
+        raise RunFailed(f"`flwr run` exited with {proc.returncode} (see {out})")
     return results
+
+
+def _wait_for_serverapp_exit(timeout_s: float = 60.0) -> None:
+    """After ``flwr stop``, the simulation process finishes the step it is in before it
+    exits; wait for that (a zombie counts as gone) so it cannot write after us."""
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = []
+        for p in psutil.process_iter(["cmdline", "status"]):
+            cmd = " ".join(p.info["cmdline"] or [])
+            if "flwr-simulation" in cmd and p.info["status"] != psutil.STATUS_ZOMBIE:
+                alive.append(p)
+        if not alive:
+            return
+        time.sleep(0.5)
+
+
+def _mark_stopped(path: Path) -> None:
+    """Record a user stop in results.json (the stopped ServerApp could not)."""
+    _wait_for_serverapp_exit()
+    if path.exists():
+        rec = RunRecorder(path.parent, {})
+        rec.results = load_results(path)
+        if rec.results.get("status") == "running":
+            rec.finish("stopped", error="stopped by the user (Ctrl-C)")
 
 
 def _toml_str(s: str) -> str:
@@ -120,11 +196,23 @@ def hydra_main(cfg: DictConfig) -> None:
     """One Hydra job = one federated run, in the job's own output folder."""
     hc = HydraConfig.get()
     out = Path(hc.runtime.output_dir).resolve()
+    if not cfg.data.get("mirror") and default_mirror():
+        cfg.data.mirror = str(default_mirror())
     try:
         validate(cfg)
+        mirror_file(cfg.data)  # fail here, not in every client
         prefetch(cfg)
+        if other := foreign_superlink():
+            print(f"[edgefuse] warning: the running local SuperLink ({other}) belongs to another "
+                  "Python environment and runs that environment's edgefuse code; stop it "
+                  "(`pkill -f flower-superlink`) to use this one.", file=sys.stderr, flush=True)
         run_flower(cfg, pinned_overrides(cfg, list(hc.overrides.task)), out)
-    except (ConfigError, ModelSpecError, ModelFetchError, RunFailed) as e:
+    except KeyboardInterrupt:
+        print(f"[edgefuse] stopped; partial results in {out}", file=sys.stderr, flush=True)
+        sys.exit(130)
+    except (ConfigError, ModelSpecError, ModelFetchError, FileNotFoundError, RunFailed) as e:
+        if not (out / "results.json").exists():  # nothing ran: leave no empty folder behind
+            shutil.rmtree(out, ignore_errors=True)
         print(f"edgefuse: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     print(f"[edgefuse] done: {out}", flush=True)

@@ -39,6 +39,10 @@ def test_invalid_values_are_rejected():
         compose("tiny", "federation.clients.0.lora_rank=0")
     with pytest.raises(ConfigError, match="steps_per_round"):
         compose("tiny", "training.steps_per_round=0")
+    with pytest.raises(ConfigError, match="num_rounds must be an integer"):
+        compose("tiny", "federation.num_rounds=abc")
+    with pytest.raises(ConfigError, match="training.lr"):
+        compose("tiny", "training.lr=-1")
 
 
 def test_json_round_trip_and_client_entry():
