@@ -92,3 +92,18 @@ def test_smoke_federation_with_real_smollm2(tmp_path):
         assert tuned.peft_config["default"].r == group["global_rank"] == 8
         tuned_logits = tuned(ids).logits
     assert not torch.allclose(base_logits, tuned_logits, atol=1e-4)
+
+
+def test_deployment_mode_with_real_supernode_processes(tmp_path):
+    """A SuperLink and one SuperNode process per client on loopback sockets."""
+    env = dict(os.environ, EDGEFUSE_OUTPUTS=str(tmp_path), EDGEFUSE_DATA_MIRROR=str(mirror_path()),
+               BIN=str(Path(sys.executable).parent), PORT="19391")
+    proc = subprocess.run(["bash", "scripts/deploy_local.sh", "tiny", "federation.num_rounds=1"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (run,) = list(tmp_path.glob("deploy-*-tiny"))
+    res = json.loads((run / "results.json").read_text())
+    assert res["status"] == "completed"
+    rows = res["rounds"][0]["clients"]
+    assert [r["partition_id"] for r in rows] == [0, 1, 2, 3]
+    assert all(r["status"] == "ok" and r["eval_loss"] < r["base_eval_loss"] for r in rows)
