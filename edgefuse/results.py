@@ -86,7 +86,7 @@ MB = 1e6  # bytes per MB in plots and tables (decimal megabyte)
 # --------------------------------------------------------------------------- atomic writes
 
 
-def _atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     """Write ``data`` to ``path`` atomically; create the parent folder if needed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -122,7 +122,7 @@ def atomic_write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8
 
     Returns the path written.
     """
-    return _atomic_write_bytes(path, text.encode(encoding))
+    return atomic_write_bytes(path, text.encode(encoding))
 
 
 def to_jsonable(obj: Any) -> Any:
@@ -245,7 +245,7 @@ def _new_figure(**kw) -> Figure:
 def _save_png(fig: Figure, path: str | os.PathLike) -> Path:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=120)
-    return _atomic_write_bytes(path, buf.getvalue())
+    return atomic_write_bytes(path, buf.getvalue())
 
 
 def _no_data(ax, what: str) -> None:
