@@ -8,8 +8,6 @@ The update a module adds is ``ΔW = (alpha / r) · B A`` (peft's default scaling
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import shutil
 import tempfile
@@ -28,6 +26,7 @@ from peft import (
 )
 from safetensors.numpy import save_file
 
+from edgefuse import packing
 from edgefuse.aggregation import MalformedUpdateError, module_shapes, split_key
 
 __all__ = [
@@ -128,22 +127,11 @@ def pack_adapter(state: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], s
     Raises:
         MalformedUpdateError: a key that is not a LoRA A/B weight.
     """
-    chunks: dict[str, list[np.ndarray]] = {p: [] for p in PARTS}
-    offsets = dict.fromkeys(PARTS, 0)
-    index = []
-    for key in sorted(state):
-        _, part = split_key(key)
-        flat = np.ascontiguousarray(state[key], dtype=np.float32).ravel()
-        index.append({"key": key, "shape": list(np.shape(state[key])), "part": part,
-                      "offset": offsets[part], "size": int(flat.size)})
-        chunks[part].append(flat)
-        offsets[part] += flat.size
-    arrays = {p: np.concatenate(c) if c else np.zeros(0, np.float32) for p, c in chunks.items()}
-    return arrays, json.dumps(index, separators=(",", ":"))
+    return packing.pack(state, _part_of, PARTS)
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+def _part_of(key: str) -> str:
+    return split_key(key)[1]
 
 
 def unpack_adapter(arrays: dict[str, np.ndarray], index_json: str) -> dict[str, np.ndarray]:
@@ -156,54 +144,7 @@ def unpack_adapter(arrays: dict[str, np.ndarray], index_json: str) -> dict[str, 
             bounds, or entries that do not tile each flat array exactly (gap, overlap, or
             sizes that do not add up to its length).
     """
-    try:
-        index = json.loads(index_json)
-    except (TypeError, ValueError) as e:
-        raise MalformedUpdateError(f"index is not valid JSON: {e}") from None
-    if not isinstance(index, list):
-        raise MalformedUpdateError("index must be a JSON list")
-    flat = {}
-    for part in PARTS:
-        if part not in arrays:
-            raise MalformedUpdateError(f"missing packed part {part!r}")
-        a = arrays[part]
-        if not isinstance(a, np.ndarray) or not np.issubdtype(a.dtype, np.floating) or a.ndim != 1:
-            raise MalformedUpdateError(f"packed part {part!r} must be a 1-D float array")
-        flat[part] = a
-    state: dict[str, np.ndarray] = {}
-    spans: dict[str, list[tuple[int, int, str]]] = {p: [] for p in PARTS}
-    for i, e in enumerate(index):
-        if not isinstance(e, dict) or not {"key", "shape", "part", "offset", "size"} <= set(e):
-            raise MalformedUpdateError(f"index entry {i} lacks key/shape/part/offset/size")
-        key, shape, part, off, size = e["key"], e["shape"], e["part"], e["offset"], e["size"]
-        if not isinstance(key, str) or part not in PARTS:
-            raise MalformedUpdateError(f"index entry {i}: bad key or part {part!r}")
-        if split_key(key)[1] != part:
-            raise MalformedUpdateError(f"index entry {i}: key {key} is not in part {part}")
-        if key in state:
-            raise MalformedUpdateError(f"index entry {i}: repeated key {key}")
-        if not (isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape)
-                and _is_int(off) and _is_int(size) and off >= 0 and size >= 0):
-            raise MalformedUpdateError(f"index entry {i} ({key}): bad shape/offset/size")
-        if math.prod(shape) != size:
-            raise MalformedUpdateError(
-                f"index entry {i} ({key}): size {size} != prod{tuple(shape)}")
-        if off + size > flat[part].size:
-            raise MalformedUpdateError(f"index entry {i} ({key}): [{off}, {off + size}) is out of "
-                                       f"bounds of {part} (length {flat[part].size})")
-        state[key] = flat[part][off:off + size].astype(np.float32).reshape(shape)
-        spans[part].append((off, size, key))
-    for part, entries in spans.items():
-        end = 0
-        for off, size, key in sorted(entries):
-            if off != end:
-                raise MalformedUpdateError(f"{part}: {key} starts at {off}, expected {end} "
-                                           "(gap or overlap)")
-            end += size
-        if end != flat[part].size:
-            raise MalformedUpdateError(f"{part}: index sizes add up to {end}, array has "
-                                       f"{flat[part].size} elements")
-    return state
+    return packing.unpack(arrays, index_json, PARTS, error=MalformedUpdateError, part_of=_part_of)
 
 
 def adapter_nbytes(arrays: dict[str, np.ndarray]) -> int:

@@ -65,6 +65,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from edgefuse import packing
 from edgefuse.aggregation import module_shapes, split_key
 
 __all__ = [
@@ -563,30 +564,12 @@ def pack_state(state: dict) -> tuple[dict[str, np.ndarray], str]:
 
     Returns:
         ``({PACK_PART: flat}, index_json)``: the tensors concatenated in sorted key order; the
-        index is a JSON list of ``{"key", "shape", "offset", "size"}`` (elements).
+        index is as in :mod:`edgefuse.packing`.
 
     Raises:
         ValueError: a non-float value.
     """
-    chunks, index, offset = [], [], 0
-    for key in sorted(state):
-        value = state[key]
-        if isinstance(value, torch.Tensor):
-            value = value.detach().to("cpu", torch.float32).numpy()
-        value = np.asarray(value)
-        if not np.issubdtype(value.dtype, np.floating):
-            raise ValueError(f"fuser state {key!r} has dtype {value.dtype}: only float weights pack")
-        flat = np.ascontiguousarray(value, dtype=np.float32).ravel()
-        index.append({"key": key, "shape": list(value.shape), "offset": offset,
-                      "size": int(flat.size)})
-        chunks.append(flat)
-        offset += flat.size
-    flat = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
-    return {PACK_PART: flat}, json.dumps(index, separators=(",", ":"))
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    return packing.pack(state, lambda key: PACK_PART, (PACK_PART,))
 
 
 def unpack_state(arrays: dict[str, np.ndarray], index_json: str) -> dict[str, np.ndarray]:
@@ -598,49 +581,7 @@ def unpack_state(arrays: dict[str, np.ndarray], index_json: str) -> dict[str, np
             the product of the shape, an entry out of bounds, entries that do not tile the
             flat array exactly (gap, overlap, or sizes that do not add up), or NaN/Inf values.
     """
-    try:
-        index = json.loads(index_json)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"fuser index is not valid JSON: {e}") from None
-    if not isinstance(index, list):
-        raise ValueError("fuser index must be a JSON list")
-    flat = arrays.get(PACK_PART) if isinstance(arrays, dict) else None
-    if (not isinstance(flat, np.ndarray) or flat.ndim != 1
-            or not np.issubdtype(flat.dtype, np.floating)):
-        raise ValueError(f"packed fuser needs a 1-D float array {PACK_PART!r}")
-    if not np.isfinite(flat).all():
-        raise ValueError("packed fuser holds NaN or Inf values")
-    state: dict[str, np.ndarray] = {}
-    spans = []
-    for i, e in enumerate(index):
-        if not isinstance(e, dict) or set(e) != {"key", "shape", "offset", "size"}:
-            raise ValueError(f"fuser index entry {i} must have exactly key/shape/offset/size")
-        key, shape, off, size = e["key"], e["shape"], e["offset"], e["size"]
-        if not isinstance(key, str) or not key:
-            raise ValueError(f"fuser index entry {i}: key must be a non-empty string")
-        if key in state:
-            raise ValueError(f"fuser index entry {i}: repeated key {key}")
-        if not (isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape)
-                and _is_int(off) and _is_int(size) and off >= 0 and size >= 0):
-            raise ValueError(f"fuser index entry {i} ({key}): bad shape/offset/size")
-        if math.prod(shape) != size:
-            raise ValueError(f"fuser index entry {i} ({key}): size {size} != prod{tuple(shape)}")
-        if off + size > flat.size:
-            raise ValueError(f"fuser index entry {i} ({key}): [{off}, {off + size}) is out of "
-                             f"bounds (length {flat.size})")
-        state[key] = flat[off:off + size].astype(np.float32).reshape(shape)
-        spans.append((off, size, key))
-    end = 0
-    for off, size, key in sorted(spans):
-        if off != end:
-            raise ValueError(f"packed fuser: {key} starts at {off}, expected {end} (gap or overlap)")
-        end += size
-    if end != flat.size:
-        raise ValueError(f"packed fuser: index sizes add up to {end}, array has {flat.size}")
-    return state
-
-
-# ------------------------------------------------------------------------- retraining rule
+    return packing.unpack(arrays, index_json, (PACK_PART,), require_finite=True)
 
 
 def adapter_change(old: dict[str, np.ndarray] | None, new: dict[str, np.ndarray] | None) -> float:

@@ -351,7 +351,8 @@ def test_unpack_rejects_malformed_index(specs):
         "gap or overlap": edit(1, offset=index[1]["offset"] - 1),
         "repeated key": edit(1, key=index[0]["key"]),
         "bad shape": edit(0, shape=[-1]),
-        "exactly key/shape": json.dumps([{**index[0], "part": "x"}] + index[1:]),
+        "bad key or part": json.dumps([{**index[0], "part": "x"}] + index[1:]),
+        "lacks or adds fields": json.dumps([{**index[0], "extra": 1}] + index[1:]),
         "add up to": json.dumps(index[:-1]),
     }
     for reason, text in bad.items():
@@ -359,7 +360,7 @@ def test_unpack_rejects_malformed_index(specs):
             unpack_state(arrays, text)
     with pytest.raises(ValueError, match="1-D float"):
         unpack_state({"fuser": arrays["fuser"].astype(np.int32)}, index_json)
-    with pytest.raises(ValueError, match="1-D float"):
+    with pytest.raises(ValueError, match="missing packed part 'fuser'"):
         unpack_state({}, index_json)
     nan = arrays["fuser"].copy()
     nan[0] = np.nan
