@@ -9,9 +9,6 @@ The update a module adds is ``ΔW = (alpha / r) · B A`` (peft's default scaling
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
-import uuid
 from pathlib import Path
 from typing import Sequence
 
@@ -28,6 +25,7 @@ from safetensors.numpy import save_file
 
 from edgefuse import packing
 from edgefuse.aggregation import MalformedUpdateError, module_shapes, split_key
+from edgefuse.results import atomic_write_dir
 
 __all__ = [
     "MalformedUpdateError", "PEFT_PREFIX", "PARTS", "attach_lora", "get_adapter_state",
@@ -187,20 +185,9 @@ def save_peft_adapter(
                         inference_mode=True)
     out = Path(out_dir).expanduser().resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
-    try:
+    with atomic_write_dir(out) as tmp:
         config.save_pretrained(tmp)
         save_file({PEFT_PREFIX + k: np.ascontiguousarray(v, dtype=np.float32)
                    for k, v in state.items()},
                   tmp / "adapter_model.safetensors", metadata={"format": "pt"})
-        if out.exists():
-            os.replace(out, old)  # a directory cannot replace a non-empty one: move it aside
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old.exists() and not out.exists():
-            os.replace(old, out)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
     return out

@@ -117,6 +117,35 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     return path
 
 
+@contextlib.contextmanager
+def atomic_write_dir(path: str | os.PathLike):
+    """Build a folder in a temporary sibling, then swap it into place at ``path``.
+
+    Yields the temporary folder to fill. On success an existing ``path`` is moved aside,
+    the new folder renamed in and the old one deleted (each rename atomic; a directory
+    cannot replace a non-empty one in a single step). On any error the temporary folder is
+    removed and the old ``path`` is left (or put back) as it was.
+    """
+    import shutil
+    import uuid
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
+    try:
+        yield tmp
+        if path.exists():
+            os.replace(path, old)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not path.exists():
+            os.replace(old, path)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def atomic_write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8") -> Path:
     """Write ``text`` to ``path`` atomically (temp file in the same folder, fsync, replace).
 

@@ -52,9 +52,7 @@ import json
 import math
 import os
 import re
-import shutil
 import tempfile
-import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -66,6 +64,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from edgefuse import packing
+from edgefuse.results import atomic_write_dir
 from edgefuse.aggregation import module_shapes, split_key
 
 __all__ = [
@@ -383,23 +382,12 @@ class FuserRegistry:
 
         out = self.path(version)
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-        old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
-        try:
+        with atomic_write_dir(out) as tmp:
             _write(tmp / WEIGHTS, blob)
             _write(tmp / CONFIG, config_json.encode())
             _write(tmp / CARD, card_json.encode())
-            if out.exists():
-                os.replace(out, old)  # a folder cannot replace a non-empty one: move it aside
-            os.replace(tmp, out)
-            _fsync_dir(out.parent)
-            self._set_latest(out.parent, version.id)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if old.exists() and not out.exists():
-                os.replace(old, out)
-            raise
-        shutil.rmtree(old, ignore_errors=True)
+        _fsync_dir(out.parent)
+        self._set_latest(out.parent, version.id)
         return out
 
     @staticmethod
