@@ -33,6 +33,21 @@ from fusers.fuser import C2CFuser, FuserConfig, kv_spec_from_config  # noqa: E40
 from fusers.train import build_pair_examples, evaluate_pair, train_fuser  # noqa: E402
 
 
+class ZeroCacheSharer(torch.nn.Module):
+    """Control: the wrapped sharer's prefill cache with every key and value zeroed."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args, **kwargs):
+        out = self.model(*args, **kwargs)
+        for layer in out.cache.layers:
+            layer.keys.zero_()
+            layer.values.zero_()
+        return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--receiver", default="smollm2-135m")
@@ -44,6 +59,9 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-examples", type=int, default=50)
     ap.add_argument("--max-seq-len", type=int, default=128)
     ap.add_argument("--quick", action="store_true", help="15 steps, 20 held-out examples")
+    ap.add_argument("--control", choices=["none", "zero-sharer"], default="none",
+                    help="zero-sharer: the fuser sees an all-zero sharer cache, so any gain is "
+                         "the fuser's own capacity, not information from the sharer")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "bench_fuser_pair.json"))
     args = ap.parse_args(argv)
     if args.quick:
@@ -62,6 +80,8 @@ def main(argv=None) -> int:
     held = build_pair_examples(rows[n_train:], r_tok, s_tok, args.max_seq_len)
     fcfg = FuserConfig(gate_init=1.0)
     fuser = C2CFuser(kv_spec_from_config(receiver.config), kv_spec_from_config(sharer.config), fcfg)
+    if args.control == "zero-sharer":
+        sharer = ZeroCacheSharer(sharer)
     alone = evaluate_pair(fuser, receiver, sharer, held, gate="off")
     t0 = time.perf_counter()
     stats = train_fuser(fuser, receiver, sharer, train, steps=args.steps,
@@ -69,7 +89,8 @@ def main(argv=None) -> int:
     train_s = time.perf_counter() - t0
     fused = evaluate_pair(fuser, receiver, sharer, held, gate="on")
     report = {
-        "receiver": args.receiver, "sharer": args.sharer, "fuser_config": fcfg.to_dict(),
+        "receiver": args.receiver, "sharer": args.sharer, "control": args.control,
+        "fuser_config": fcfg.to_dict(),
         "fuser_params": fuser.num_parameters(), "fuser_bytes": fuser.nbytes(),
         "receiver_params": sum(p.numel() for p in receiver.parameters()),
         "train_examples": len(train), "eval_examples": len(held), "steps": args.steps,
@@ -81,7 +102,7 @@ def main(argv=None) -> int:
     out = Path(args.out).resolve()
     atomic_write_json(out, report)
     _plot(report, out.with_suffix(".png"))
-    print(f"[bench] {args.receiver} <- {args.sharer}: held-out loss alone {alone['loss']:.4f}, "
+    print(f"[bench] {args.receiver} <- {args.sharer} (control: {args.control}): held-out loss alone {alone['loss']:.4f}, "
           f"fused {fused['loss']:.4f} ({report['fused_over_alone']:.3f}x); "
           f"{report['seconds_per_step']:.1f} s/step; fuser {report['fuser_params']:,} params")
     print(f"[bench] wrote {out} and {out.with_suffix('.png')}")
