@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from edgefuse import data as data_mod
-from edgefuse.config import client_entry, from_json
+from edgefuse.config import client_entry, from_json, lora_targets
 from edgefuse.lora import (attach_lora, get_adapter_state, pack_adapter, set_adapter_state,
                            unpack_adapter, adapter_nbytes)
-from edgefuse.models import get_spec, load_model
+from edgefuse.models import load_model
 from edgefuse.training import evaluate_loss, train_steps
 
 _MODEL: dict = {}  # {"key": tuple, "peft": PeftModel, "tok": tokenizer, "init": state, "load_s": float}
@@ -26,9 +26,8 @@ _ROWS: dict = {}  # (model, partition, ...) -> (train_rows, val_rows)
 
 
 def _lora_key(cfg: DictConfig, entry: DictConfig) -> tuple:
-    targets = cfg.training.target_modules or get_spec(entry.model).target_modules
     return (entry.model, int(entry.lora_rank), float(cfg.training.lora_alpha),
-            float(cfg.training.lora_dropout), tuple(targets), str(cfg.paths.cache_dir), int(cfg.seed))
+            float(cfg.training.lora_dropout), tuple(lora_targets(cfg, entry.model)), str(cfg.paths.cache_dir), int(cfg.seed))
 
 
 def _model_for(cfg: DictConfig, entry: DictConfig) -> dict:

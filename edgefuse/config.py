@@ -110,3 +110,10 @@ def client_entry(cfg: DictConfig, partition_id: int) -> DictConfig:
             f"({len(clients)} entries): start as many SuperNodes as clients"
         )
     return clients[partition_id]
+
+
+def lora_targets(cfg: DictConfig, model: str) -> list[str]:
+    """LoRA target modules for ``model``: ``training.target_modules``, else the spec's default."""
+    from edgefuse.models import get_spec
+
+    return list(cfg.training.target_modules or get_spec(model).target_modules)

@@ -18,7 +18,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 from omegaconf import OmegaConf
 
-from edgefuse.config import compose
+from edgefuse.config import compose, lora_targets
 from edgefuse.lora import save_peft_adapter
 from edgefuse.models import get_spec
 from edgefuse.results import RunRecorder, print_summary
@@ -58,9 +58,8 @@ def save_adapters(cfg, strategy: GroupedLoRA, group_rows: list[dict], out: Path,
         res = strategy.groups[g["model"]]
         spec = get_spec(g["model"])
         folder = out / "adapters" / f"round_{round_idx:03d}" / g["model"]
-        targets = list(cfg.training.target_modules or spec.target_modules)
         save_peft_adapter(res.global_state, folder, spec.hub_id or spec.name,
-                          res.global_rank, res.global_alpha, targets)
+                          res.global_rank, res.global_alpha, lora_targets(cfg, g["model"]))
         g["adapter_dir"] = str(folder)
 
 
