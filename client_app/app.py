@@ -6,6 +6,8 @@ Message types (the ServerApp sends the resolved config in every message):
   train ``training.steps_per_round`` steps, reply with the packed adapter + metrics.
 - ``evaluate``: load the group's global adapter, reply with held-out loss/perplexity next
   to the base model's.
+- ``query.fusers`` / ``query.share`` / ``query.refine`` / ``query.answer``: Cache-to-Cache
+  (see :mod:`client_app.c2c`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import warnings
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from client_app import c2c
 from client_app.local import LocalClient
 
 # peft calls a transformers property that transformers 5 deprecated; nothing to act on.
@@ -44,11 +47,13 @@ def _load_adapter(client: LocalClient, msg: Message) -> int:
 
 @app.query("info")
 def info(msg: Message, context: Context) -> Message:
-    """Tell the server who this node is: partition-id, model and LoRA rank."""
+    """Tell the server who this node is: partition-id, model, LoRA rank, and the X25519
+    public key peers seal Cache-to-Cache payloads with."""
     entry = LocalClient.entry_for(str(msg.content["config"]["cfg"]),
                                   int(context.node_config["partition-id"]))
     reply = ConfigRecord({"partition_id": int(context.node_config["partition-id"]),
-                          "model": str(entry.model), "lora_rank": int(entry.lora_rank)})
+                          "model": str(entry.model), "lora_rank": int(entry.lora_rank),
+                          "public_key": c2c.keypair(context).public_bytes()})
     return Message(RecordDict({"info": reply}), reply_to=msg)
 
 
@@ -88,3 +93,38 @@ def evaluate(msg: Message, context: Context) -> Message:
     })
     return Message(RecordDict({"meta": ConfigRecord(client.identity()), "metrics": metrics}),
                    reply_to=msg)
+
+
+def _c2c(msg: Message, context: Context, handler) -> Message:
+    t0 = time.perf_counter()
+    client = _client(msg, context)
+    _load_adapter(client, msg)
+    return c2c.reply(msg, handler(msg, context, client), time.perf_counter() - t0)
+
+
+@app.query("fusers")
+def fusers(msg: Message, context: Context) -> Message:
+    """Install this receiver's fusers after checking their versions (refused on mismatch)."""
+    def install(msg, context, client):
+        done = c2c.install_fusers(msg, context, client)
+        return RecordDict({"c2c": ConfigRecord({"installed": done["installed"],
+                                                "adapter_hash": done["version"].adapter_hash})})
+    return _c2c(msg, context, install)
+
+
+@app.query("share")
+def share(msg: Message, context: Context) -> Message:
+    """Prefill (KV) or answer (T2T text) the queries, sealed for one peer."""
+    return _c2c(msg, context, c2c.share)
+
+
+@app.query("refine")
+def refine(msg: Message, context: Context) -> Message:
+    """Co-C2C: fuse the peer's relayed cache into ours and seal the refined cache back."""
+    return _c2c(msg, context, c2c.refine)
+
+
+@app.query("answer")
+def answer(msg: Message, context: Context) -> Message:
+    """Answer the queries alone, with T2T hints, or from fused caches."""
+    return _c2c(msg, context, c2c.answer)

@@ -59,7 +59,9 @@ def validate(cfg: DictConfig) -> None:
 
     Raises:
         ConfigError: no clients, a client entry without a model, a rank / step / round /
-            batch count that is not a positive integer, or a non-positive lr or timeout.
+            batch count that is not a positive integer, or a non-positive lr or timeout;
+            with ``c2c.enabled``, a non-positive step / example / token count or an unknown
+            ``c2c.train.at``.
     """
     clients = cfg.federation.clients
     if not clients:
@@ -70,6 +72,14 @@ def validate(cfg: DictConfig) -> None:
         _positive_int(c.get("lora_rank", 0), f"federation.clients[{i}].lora_rank")
     for key in ("federation.num_rounds", "training.steps_per_round", "training.batch_size"):
         _positive_int(OmegaConf.select(cfg, key), key)
+    c2c = cfg.get("c2c")
+    if c2c is not None and c2c.get("enabled"):
+        for key in ("c2c.train.steps", "c2c.train.batch_size", "c2c.train.examples",
+                    "c2c.train.max_seq_len", "c2c.eval.max_new_tokens", "c2c.eval.max_prompt_tokens",
+                    "c2c.eval.batch_queries"):
+            _positive_int(OmegaConf.select(cfg, key), key)
+        if str(c2c.train.at) not in ("final", "every_round"):
+            raise ConfigError(f"c2c.train.at must be 'final' or 'every_round', got {c2c.train.at!r}")
     for key in ("training.lr", "federation.round_timeout_s"):
         try:
             if float(OmegaConf.select(cfg, key)) <= 0:

@@ -356,6 +356,26 @@ def load_model(name: str, root: str | os.PathLike | None = None, allow_fetch: bo
     return model, tok
 
 
+def load_tokenizer(name: str, root: str | os.PathLike | None = None, allow_fetch: bool = True):
+    """The tokenizer of a spec alone (a receiver aligns a sharer's tokens with it), with the
+    same pad-token rule as :func:`load_model`.
+
+    Raises:
+        ModelSpecError: unknown name.
+        ModelFetchError: see :func:`resolve_path`.
+    """
+    spec = get_spec(name)
+    if spec.tiny:
+        tok = tiny_tokenizer(chat_template=spec.arch != "gemma3_text")
+    else:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(resolve_path(spec, root, allow_fetch))
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
 _TINY_CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"

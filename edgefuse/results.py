@@ -21,6 +21,13 @@ results.json schema (an interface; keep stable)::
          "groups": [{"model": str, "clients": [int], "method": "fedavg"|"flexlora",
                      "truncation_error": float|None, "adapter_dir": str|None}]}
       ],
+      "fusers": [{"sharer": str, "receiver": str, "params": int, "bytes": int,
+                  "version": str, "train_steps": int, "action": "trained"|"carried_over"|"cached",
+                  "round": int, "train_seconds": float, "val_loss": float|None,
+                  "alone_val_loss": float|None, "download": str}],
+      "c2c": [{"receiver": str, "sharers": [str], "mode": "alone"|"t2t"|"c2c"|"co_c2c"|"multi",
+               "n": int, "mmlu_acc": float|None, "rougeL": float|None,
+               "latency_ms": float|None, "bytes_sent": float|None, ...breakdowns}],
       "summary": {...free-form...},
       "status": "running"|"completed"|"failed"|"stopped",
       "error": str|None
@@ -61,6 +68,11 @@ JSON_NAME = "results.json"
 CSV_NAME = "results.csv"
 EVAL_PNG_NAME = "eval_loss.png"
 BYTES_PNG_NAME = "bytes.png"
+C2C_PNG_NAME = "c2c.png"
+C2C_CSV_NAME = "c2c.csv"
+C2C_COLUMNS = ("receiver", "sharers", "mode", "n", "mmlu_acc", "rougeL", "latency_ms",
+               "latency_ms_mmlu", "latency_ms_dolly", "exchange_ms", "prefill_ms", "fuse_ms",
+               "decode_ms", "bytes_sent", "error")
 
 CSV_COLUMNS = (
     "round",
@@ -353,13 +365,76 @@ def plot_bytes(results: Mapping, path: str | os.PathLike) -> Path:
 # --------------------------------------------------------------------------- outputs
 
 
+def c2c_csv_text(results: Mapping) -> str:
+    """CSV of the ``c2c`` rows (sharers joined by ``+``)."""
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=C2C_COLUMNS, extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    for row in results.get("c2c", []):
+        w.writerow({k: ("+".join(row.get(k) or []) if k == "sharers" else _csv_cell(row.get(k)))
+                    for k in C2C_COLUMNS})
+    return buf.getvalue()
+
+
+C2C_MODE_ORDER = ("alone", "t2t", "c2c", "co_c2c", "multi")
+
+
+def c2c_label(row: Mapping) -> str:
+    """Short label of a c2c row: ``mode`` or ``mode←sharer`` (first word of each sharer)."""
+    sharers = [str(s).split("-")[0] for s in row.get("sharers") or []]
+    return row["mode"] if not sharers else f"{row['mode']}\u2190{'+'.join(sharers)}"
+
+
+def plot_c2c(results: Mapping, path: str | os.PathLike) -> Path:
+    """Three panels per receiver row: MMLU accuracy, ROUGE-L and latency (ms, log scale) of
+    every evaluated mode, bars in :data:`C2C_MODE_ORDER` order."""
+    rows = [r for r in results.get("c2c", []) if r.get("error") is None]
+    receivers = sorted({r["receiver"] for r in rows})
+    fig = _new_figure(figsize=(14, 3.2 * max(1, len(receivers))))
+    metrics = (("mmlu_acc", "MMLU accuracy"), ("rougeL", "ROUGE-L (Dolly)"), ("latency_ms", "latency per query (ms)"))
+    if not receivers:
+        _no_data(fig.add_subplot(1, 1, 1), "c2c rows")
+        return _save_png(fig, path)
+    for i, rec in enumerate(receivers):
+        mine = sorted((r for r in rows if r["receiver"] == rec),
+                      key=lambda r: (C2C_MODE_ORDER.index(r["mode"]) if r["mode"] in C2C_MODE_ORDER else 99,
+                                     r.get("sharers") or []))
+        labels = [c2c_label(r) for r in mine]
+        for j, (key, title) in enumerate(metrics):
+            ax = fig.add_subplot(len(receivers), 3, 3 * i + j + 1)
+            vals = [_finite(r.get(key)) or 0.0 for r in mine]
+            ax.bar(range(len(vals)), vals, color=[_colour(C2C_MODE_ORDER.index(r["mode"]) if r["mode"] in C2C_MODE_ORDER else 0, len(C2C_MODE_ORDER)) for r in mine])
+            ax.set_xticks(range(len(vals)), labels, rotation=30, ha="right", fontsize=7)
+            if key == "latency_ms" and any(v > 0 for v in vals):
+                ax.set_yscale("log")
+            ax.set_title(f"{rec}: {title}", fontsize=9)
+    return _save_png(fig, path)
+
+
+def c2c_table(results: Mapping) -> Table:
+    """Rich table of the ``c2c`` rows: MMLU accuracy, ROUGE-L, latency (ms) and KB sent per query."""
+    table = Table(title="Cache-to-Cache: receivers alone and with sharers (per query)")
+    for name in ("receiver", "mode", "sharers", "n", "MMLU acc", "ROUGE-L", "latency ms", "KB sent"):
+        table.add_column(name, justify="left" if name in ("receiver", "mode", "sharers") else "right")
+    for r in results.get("c2c", []):
+        sent = _finite(r.get("bytes_sent"))
+        table.add_row(str(r["receiver"]), str(r["mode"]), ", ".join(r.get("sharers") or []) or "\u2014",
+                      str(r.get("n")), _fmt(r.get("mmlu_acc"), ".3f"), _fmt(r.get("rougeL"), ".3f"),
+                      _fmt(r.get("latency_ms"), ".0f"),
+                      "\u2014" if sent is None else f"{sent / 1e3:.1f}")
+    return table
+
+
 def write_json_csv(out_dir: str | os.PathLike, results: Mapping) -> dict[str, Path]:
     """Write results.json and results.csv into ``out_dir``; returns ``{"json", "csv"}`` paths."""
     out_dir = Path(out_dir)
-    return {
+    paths = {
         "json": atomic_write_json(out_dir / JSON_NAME, results),
         "csv": atomic_write_text(out_dir / CSV_NAME, csv_text(results)),
     }
+    if results.get("c2c"):
+        paths["c2c_csv"] = atomic_write_text(out_dir / C2C_CSV_NAME, c2c_csv_text(results))
+    return paths
 
 
 def write_outputs(out_dir: str | os.PathLike, results: Mapping) -> dict[str, Path]:
@@ -371,7 +446,10 @@ def write_outputs(out_dir: str | os.PathLike, results: Mapping) -> dict[str, Pat
     """
     out_dir = Path(out_dir)
     paths = write_json_csv(out_dir, results)
-    for key, name, fn in (("eval_png", EVAL_PNG_NAME, plot_eval_loss), ("bytes_png", BYTES_PNG_NAME, plot_bytes)):
+    plots = [("eval_png", EVAL_PNG_NAME, plot_eval_loss), ("bytes_png", BYTES_PNG_NAME, plot_bytes)]
+    if results.get("c2c"):
+        plots.append(("c2c_png", C2C_PNG_NAME, plot_c2c))
+    for key, name, fn in plots:
         try:
             paths[key] = fn(results, out_dir / name)
         except Exception:
@@ -427,6 +505,14 @@ class RunRecorder:
                 rounds[i] = rnd
                 return
         rounds.append(rnd)
+
+    def set_fusers(self, rows: list[Mapping]) -> None:
+        """Record the fuser registry rows of the latest fuser update (schema above)."""
+        self.results["fusers"] = copy.deepcopy(list(rows))
+
+    def set_c2c(self, rows: list[Mapping]) -> None:
+        """Record the Cache-to-Cache evaluation rows (schema above)."""
+        self.results["c2c"] = copy.deepcopy(list(rows))
 
     def set_summary(self, summary: Mapping) -> None:
         """Merge ``summary`` into the free-form summary (later keys win)."""
@@ -524,6 +610,8 @@ def print_summary(results: Mapping, console: Console | None = None, out_dir: str
     # Logs and CI are no terminal: rich would fall back to 80 columns and truncate cells.
     console = console or Console(width=None if sys.stdout.isatty() else 140)
     console.print(console_table(results))
+    if results.get("c2c"):
+        console.print(c2c_table(results))
     if results.get("error"):
         console.print(Text.assemble(("error: ", "red"), str(results["error"])))
     out_dir = out_dir if out_dir is not None else (results.get("summary") or {}).get("out_dir")

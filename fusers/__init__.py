@@ -7,7 +7,9 @@ KV space by a small learned fuser (Fu et al., 2025, arXiv 2510.03215; FedRefine)
 - :mod:`fusers.align` — token alignment across tokenizers (and chat templates), and
   gathering the sharer's KV onto the receiver's tokens;
 - :mod:`fusers.fuser` — the fuser modules (:class:`C2CFuser`), cache shapes
-  (:class:`KVSpec`), and :func:`fused_forward` to run the receiver from a fused cache.
+  (:class:`KVSpec`), and :func:`fused_forward` to run the receiver from a fused cache;
+- :mod:`fusers.exchange` — the int8 wire codec of a prompt KV cache sent between devices;
+- :mod:`fusers.multi` — several sharers into one receiver, weighted per layer by a gate.
 """
 
 from .align import align_formatted, align_spans, align_tokens, gather_aligned
@@ -25,10 +27,24 @@ from .fuser import (
     kv_spec_from_config,
 )
 from .layer_map import layer_mapping
+from .exchange import KVPayloadError, decode_kv_cache, encode_kv_cache
+from .multi import (
+    MultiExample,
+    MultiSharerGate,
+    build_multi_example,
+    build_multi_examples,
+    evaluate_multi,
+    fuse_many,
+    multi_loss,
+    train_gate,
+)
 
 __all__ = [
     "C2CFuser", "FuserConfig", "KVSpec", "LayerFuser", "align_formatted", "align_spans",
     "align_tokens", "copy_cache", "format_size_table", "fused_forward", "fuser_size",
     "fuser_size_table", "gather_aligned", "kv_spec_from_cache", "kv_spec_from_config",
     "layer_mapping",
+    "KVPayloadError", "decode_kv_cache", "encode_kv_cache",
+    "MultiExample", "MultiSharerGate", "build_multi_example", "build_multi_examples",
+    "evaluate_multi", "fuse_many", "multi_loss", "train_gate",
 ]

@@ -65,6 +65,11 @@ class FuserConfig:
         gate_init: initial gate logit of every K and V gate (0 = undecided).
         init_temperature: Gumbel-sigmoid temperature at the start of training.
         min_temperature: temperature at the end of the annealing schedule.
+        input_norm: RMS-normalise the receiver's and the sharer's per-token features
+            (separately, no parameters) before the bottleneck. Post-RoPE keys differ in
+            scale by orders of magnitude across models (Qwen2.5's key bias gives outliers in
+            the hundreds), and without it the sharer's half of the input is either drowned
+            or dominant; the output still lives in the receiver's raw scale (``up``).
     """
 
     bottleneck: int = 64
@@ -73,6 +78,7 @@ class FuserConfig:
     gate_init: float = 0.0
     init_temperature: float = 1.0
     min_temperature: float = 0.1
+    input_norm: bool = True
 
     def __post_init__(self):
         if self.bottleneck < 1:
@@ -192,9 +198,10 @@ def copy_cache(cache: DynamicCache) -> DynamicCache:
 class _Branch(nn.Module):
     """The fuser of one receiver layer for keys *or* values."""
 
-    def __init__(self, r_heads: int, r_dim: int, s_width: int, bottleneck: int, gate_init: float):
+    def __init__(self, r_heads: int, r_dim: int, s_width: int, bottleneck: int, gate_init: float,
+                 input_norm: bool = True):
         super().__init__()
-        self.r_heads, self.r_dim = r_heads, r_dim
+        self.r_heads, self.r_dim, self.input_norm = r_heads, r_dim, input_norm
         self.down = nn.Linear(r_heads * r_dim + s_width, bottleneck)
         self.up = nn.Linear(bottleneck, r_heads * r_dim)
         self.head = nn.Linear(bottleneck, r_heads)
@@ -216,8 +223,11 @@ class _Branch(nn.Module):
             return receiver  # hard gate off: exactly the receiver's tensor
         b, hr, t, dr = receiver.shape
         dtype = self.down.weight.dtype
-        x = torch.cat([receiver.transpose(1, 2).reshape(b, t, hr * dr),
-                       sharer.transpose(1, 2).reshape(b, t, -1)], dim=-1).to(dtype)
+        r_in = receiver.transpose(1, 2).reshape(b, t, hr * dr).to(dtype)
+        s_in = sharer.transpose(1, 2).reshape(b, t, -1).to(dtype)
+        if self.input_norm:
+            r_in, s_in = F.rms_norm(r_in, (r_in.shape[-1],)), F.rms_norm(s_in, (s_in.shape[-1],))
+        x = torch.cat([r_in, s_in], dim=-1)
         h = F.silu(self.down(x))
         proj = self.up(h).view(b, t, hr, dr)
         weight = torch.sigmoid(self.head(h)).unsqueeze(-1)
@@ -229,10 +239,10 @@ class LayerFuser(nn.Module):
     """Fuses one sharer layer into one receiver layer: a key branch and a value branch."""
 
     def __init__(self, r_heads: int, r_dim: int, s_heads: int, s_dim: int,
-                 bottleneck: int = 64, gate_init: float = 0.0):
+                 bottleneck: int = 64, gate_init: float = 0.0, input_norm: bool = True):
         super().__init__()
-        self.key = _Branch(r_heads, r_dim, s_heads * s_dim, bottleneck, gate_init)
-        self.value = _Branch(r_heads, r_dim, s_heads * s_dim, bottleneck, gate_init)
+        self.key = _Branch(r_heads, r_dim, s_heads * s_dim, bottleneck, gate_init, input_norm)
+        self.value = _Branch(r_heads, r_dim, s_heads * s_dim, bottleneck, gate_init, input_norm)
 
     def forward(self, r_keys, r_values, s_keys, s_values, mask, temperature: float = 1.0):
         """Receiver ``[B, Hr, T, Dr]`` and aligned sharer ``[B, Hs, T, Ds]`` K/V, token
@@ -259,7 +269,8 @@ class C2CFuser(nn.Module):
         self.layer_map = layer_mapping(receiver.num_layers, sharer.num_layers, self.config.layer_mapping)
         self.layers = nn.ModuleDict({
             str(i): LayerFuser(receiver.kv_heads[i], receiver.head_dim[i], sharer.kv_heads[j],
-                               sharer.head_dim[j], self.config.bottleneck, self.config.gate_init)
+                               sharer.head_dim[j], self.config.bottleneck, self.config.gate_init,
+                               self.config.input_norm)
             for i, j in enumerate(self.layer_map) if j is not None
         })
         self.temperature = self.config.init_temperature

@@ -75,6 +75,7 @@ def main(grid: Grid, context: Context) -> None:
     recorder.save()
     strategy = GroupedLoRA(cfg)
     fed = cfg.federation
+    phase = _c2c_phase(cfg, grid, strategy, out, float(fed.round_timeout_s))
     timeout = float(fed.round_timeout_s)
     t_run = time.perf_counter()
     try:
@@ -100,11 +101,22 @@ def main(grid: Grid, context: Context) -> None:
                 ", ".join(f"{g['model']} ({g['method']})" for g in group_rows), t_agg)
             strategy.aggregate_evaluate(rows, grid.send_and_receive(msgs, timeout=timeout), sent)
             t_eval = time.perf_counter() - t2
-            recorder.add_round({
-                "round": r, "clients": rows, "groups": group_rows,
-                "seconds": {"train": t_train, "aggregate": t_agg, "evaluate": t_eval,
-                            "total": time.perf_counter() - t0},
-            })
+            seconds = {"train": t_train, "aggregate": t_agg, "evaluate": t_eval}
+            record = {"round": r, "clients": rows, "groups": group_rows, "seconds": seconds}
+            recorder.add_round(record)
+            recorder.save()
+            if phase is not None and (r == int(fed.num_rounds) or str(cfg.c2c.train.at) == "every_round"):
+                t3 = time.perf_counter()
+                recorder.set_fusers(phase.update_fusers(r))
+                seconds["fusers"] = time.perf_counter() - t3
+                recorder.add_round(record)
+                recorder.save()
+            if phase is not None and r == int(fed.num_rounds):
+                t4 = time.perf_counter()
+                recorder.set_c2c(phase.evaluate(r))
+                seconds["c2c_eval"] = time.perf_counter() - t4
+            seconds["total"] = time.perf_counter() - t0
+            recorder.add_round(record)
             recorder.save()
             _log_round(r, rows)
         recorder.set_summary({"wall_seconds": time.perf_counter() - t_run,
@@ -115,6 +127,18 @@ def main(grid: Grid, context: Context) -> None:
         raise
     finally:
         print_summary(recorder.results, out_dir=out)
+
+
+def _c2c_phase(cfg, grid: Grid, strategy: GroupedLoRA, out: Path, timeout: float):
+    """The Cache-to-Cache phase of this run, or ``None`` when ``c2c.enabled`` is false."""
+    if not cfg.get("c2c") or not cfg.c2c.enabled:
+        return None
+    from fusers.registry import FuserRegistry
+    from fusers.service import FuserService
+    from server_app.c2c import C2CPhase
+
+    root = Path(cfg.c2c.registry_dir).expanduser() if cfg.c2c.registry_dir else out / "fusers"
+    return C2CPhase(cfg, grid, strategy, FuserService(cfg, FuserRegistry(root)), timeout)
 
 
 def _log_round(r: int, rows: list[dict]) -> None:

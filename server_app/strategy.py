@@ -33,6 +33,7 @@ class NodeInfo:
     partition_id: int
     model: str
     lora_rank: int
+    public_key: bytes = b""
 
 
 @dataclass
@@ -78,7 +79,7 @@ class GroupedLoRA:
             rec = msg.content["info"]
             self.nodes[msg.metadata.src_node_id] = NodeInfo(
                 msg.metadata.src_node_id, int(rec["partition_id"]), str(rec["model"]),
-                int(rec["lora_rank"]))
+                int(rec["lora_rank"]), bytes(rec["public_key"]) if "public_key" in rec else b"")
         return errors
 
     def client_state(self, node: NodeInfo) -> dict | None:
