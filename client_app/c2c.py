@@ -84,7 +84,8 @@ def _frames_in(msg: Message, name: str = "frames") -> list[bytes]:
 
 # ----------------------------------------------------------------------------- fusers
 def install_fusers(msg: Message, context: Context, client) -> dict:
-    """Check and store every fuser in ``msg`` (records ``fuser.<sharer>``), and the gate.
+    """Check every fuser in ``msg`` (records ``fuser.<sharer>``), then store them all and the
+    gate; one refusal stores nothing.
 
     Raises:
         FuserVersionError: a fuser trained for another receiver spec or adapter, a state
@@ -93,7 +94,7 @@ def install_fusers(msg: Message, context: Context, client) -> dict:
     me = my_version(client)
     conf = msg.content["c2c"]
     mine = kv_spec_from_config(client.slot["peft"].config)
-    installed = []
+    checked = []
     for sharer in list(conf["sharers"]):
         meta = json.loads(str(conf[f"meta.{sharer}"]))
         card = FuserCard.from_json(meta["card"])
@@ -103,9 +104,11 @@ def install_fusers(msg: Message, context: Context, client) -> dict:
                                     f"{meta['receiver_kv']}, this model has {mine.to_dict()}")
         arrays = {k: v.numpy() for k, v in msg.content[f"fuser.{sharer}"].items()}
         check_state(unpack_state(arrays, meta["index"]), card)
+        checked.append((sharer, meta))
+    for sharer, meta in checked:  # all or nothing: store only once every fuser passed
         context.state[f"fuser.{sharer}"] = msg.content[f"fuser.{sharer}"]
         context.state[f"fusermeta.{sharer}"] = ConfigRecord({"meta": json.dumps(meta)})
-        installed.append(sharer)
+    installed = [s for s, _ in checked]
     if "gate" in msg.content.array_records:
         context.state["gate"] = msg.content["gate"]
         context.state["gatemeta"] = ConfigRecord({"meta": str(conf["gate_meta"])})
