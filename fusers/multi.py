@@ -35,6 +35,7 @@ from .train import (
     _continuation_loss,
     _ids,
     build_pair_example,
+    frozen,
     step_indices,
 )
 
@@ -324,38 +325,30 @@ def train_gate(
     t0 = time.perf_counter()
     params = list(gate.parameters())
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    frozen = [receiver_model, *sharer_models, *fusers]
-    saved = [(m.training, [p.requires_grad for p in m.parameters()]) for m in frozen]
-    for m in frozen:
-        m.requires_grad_(False)
-        m.eval()
 
     from tqdm.auto import tqdm
 
     losses: list[float] = []
     bar = tqdm(range(steps), total=steps, desc="gate", unit="step", leave=False, disable=not progress)
     gate.train()
-    try:
-        for step in bar:
-            batch = [examples[i] for i in step_indices(len(examples), batch_size, seed, step)]
-            total = sum(ex.num_tokens for ex in batch)
-            opt.zero_grad(set_to_none=True)
-            step_loss = 0.0
-            for ex in batch:
-                loss, n = multi_loss(gate, fusers, receiver_model, sharer_models, ex)
-                (loss * (n / max(total, 1))).backward()
-                step_loss += float(loss.detach()) * n / max(total, 1)
-            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-            opt.step()
-            losses.append(step_loss)
-            bar.set_postfix(loss=f"{step_loss:.3f}")
-    finally:
-        bar.close()
-        gate.eval()
-        for m, (mode, flags) in zip(frozen, saved):
-            m.train(mode)
-            for p, flag in zip(m.parameters(), flags):
-                p.requires_grad_(flag)
+    with frozen(receiver_model, *sharer_models, *fusers):
+        try:
+            for step in bar:
+                batch = [examples[i] for i in step_indices(len(examples), batch_size, seed, step)]
+                total = sum(ex.num_tokens for ex in batch)
+                opt.zero_grad(set_to_none=True)
+                step_loss = 0.0
+                for ex in batch:
+                    loss, n = multi_loss(gate, fusers, receiver_model, sharer_models, ex)
+                    (loss * (n / max(total, 1))).backward()
+                    step_loss += float(loss.detach()) * n / max(total, 1)
+                torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+                opt.step()
+                losses.append(step_loss)
+                bar.set_postfix(loss=f"{step_loss:.3f}")
+        finally:
+            bar.close()
+            gate.eval()
     return {
         "steps": steps,
         "first_loss": losses[0] if losses else None,

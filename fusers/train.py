@@ -41,6 +41,7 @@ from __future__ import annotations
 import re
 import time
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -296,6 +297,23 @@ def step_indices(n: int, batch_size: int, seed: int, step: int) -> list[int]:
     return out
 
 
+@contextmanager
+def frozen(*modules):
+    """Within the block, ``modules`` are in eval mode with ``requires_grad=False``; their
+    previous modes and flags are restored afterwards (also on error)."""
+    saved = [(m.training, [p.requires_grad for p in m.parameters()]) for m in modules]
+    for m in modules:
+        m.requires_grad_(False)
+        m.eval()
+    try:
+        yield
+    finally:
+        for m, (mode, flags) in zip(modules, saved):
+            m.train(mode)
+            for p, flag in zip(m.parameters(), flags):
+                p.requires_grad_(flag)
+
+
 def _step_seed(seed: int, step: int) -> int:
     return int(np.random.default_rng([seed, step, 1]).integers(2**62))
 
@@ -404,11 +422,6 @@ def train_fuser(
             start = resumed_from = int(state["step"])
             losses = list(state["losses"])
 
-    models = (receiver_model, sharer_model)
-    saved = [(m.training, [p.requires_grad for p in m.parameters()]) for m in models]
-    for m in models:
-        m.requires_grad_(False)
-        m.eval()
     device = params[0].device
     rng_devices = [device] if device.type == "cuda" else []
 
@@ -424,34 +437,31 @@ def train_fuser(
     bar = tqdm(range(start, steps), initial=start, total=steps, desc="fuser", unit="step",
                leave=False, disable=not progress)
     fuser.train()
-    try:
-        for step in bar:
-            tau = fuser.anneal(step, max(steps - 1, 1))
-            batch = [examples[i] for i in step_indices(len(examples), batch_size, seed, step)]
-            total = sum(ex.num_tokens for ex in batch)
-            opt.zero_grad(set_to_none=True)
-            step_loss = 0.0
-            with torch.random.fork_rng(devices=rng_devices):
-                torch.manual_seed(_step_seed(seed, step))
-                for ex in batch:
-                    loss, n = pair_loss(fuser, receiver_model, sharer_model, ex)
-                    (loss * (n / max(total, 1))).backward()
-                    step_loss += float(loss.detach()) * n / max(total, 1)
-            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-            opt.step()
-            losses.append(step_loss)
-            bar.set_postfix(loss=f"{step_loss:.3f}", tau=f"{tau:.2f}")
-            done = step + 1
-            due = done == steps or (checkpoint_every > 0 and done % checkpoint_every == 0)
-            if checkpoint_dir is not None and due:
-                checkpoint(done)
-    finally:
-        bar.close()
-        fuser.eval()
-        for m, (mode, flags) in zip(models, saved):
-            m.train(mode)
-            for p, flag in zip(m.parameters(), flags):
-                p.requires_grad_(flag)
+    with frozen(receiver_model, sharer_model):
+        try:
+            for step in bar:
+                tau = fuser.anneal(step, max(steps - 1, 1))
+                batch = [examples[i] for i in step_indices(len(examples), batch_size, seed, step)]
+                total = sum(ex.num_tokens for ex in batch)
+                opt.zero_grad(set_to_none=True)
+                step_loss = 0.0
+                with torch.random.fork_rng(devices=rng_devices):
+                    torch.manual_seed(_step_seed(seed, step))
+                    for ex in batch:
+                        loss, n = pair_loss(fuser, receiver_model, sharer_model, ex)
+                        (loss * (n / max(total, 1))).backward()
+                        step_loss += float(loss.detach()) * n / max(total, 1)
+                torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+                opt.step()
+                losses.append(step_loss)
+                bar.set_postfix(loss=f"{step_loss:.3f}", tau=f"{tau:.2f}")
+                done = step + 1
+                due = done == steps or (checkpoint_every > 0 and done % checkpoint_every == 0)
+                if checkpoint_dir is not None and due:
+                    checkpoint(done)
+        finally:
+            bar.close()
+            fuser.eval()
     return {
         "steps": steps,
         "first_loss": losses[0] if losses else None,
@@ -465,5 +475,5 @@ def train_fuser(
 
 __all__ = [
     "PairExample", "build_pair_example", "build_pair_examples", "pair_loss", "evaluate_pair",
-    "step_indices", "train_fuser", "CHECKPOINT_FORMAT",
+    "step_indices", "train_fuser", "frozen", "CHECKPOINT_FORMAT",
 ]

@@ -23,3 +23,14 @@ def mirror() -> Path:
     if path is None:
         pytest.skip("no data mirror: set EDGEFUSE_DATA_MIRROR or place ../shared/data")
     return path
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread (and far faster than two on a busy CPU)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

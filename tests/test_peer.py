@@ -51,11 +51,8 @@ QUERIES = [MMLU, DOLLY]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_thread):
+    """Every test of this module on one torch thread (see conftest)."""
 
 
 @pytest.fixture(scope="module")
