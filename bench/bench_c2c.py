@@ -1,7 +1,8 @@
 """Benchmark Cache-to-Cache against its baselines, per pair, through the real main job.
 
-Runs ``edgefuse run experiment=c2c`` (one client per architecture, a short LoRA round, a
-fuser for every ordered pair, the full evaluation) and reports, per (receiver ← sharer)
+Runs the main job (``edgefuse run experiment=default``: the federation, then a fuser for
+every ordered pair and the C2C evaluation; ``--experiment c2c`` is a larger C2C budget with
+one client per architecture) and reports, per (receiver ← sharer)
 pair: MMLU accuracy and ROUGE-L of the receiver alone / with the sharer's text (T2T) /
 with the sharer's KV cache (C2C) / Co-C2C, latency and bytes per query, fuser size and
 training time; per receiver, the several-sharers row. Then it checks the issue's targets
@@ -10,8 +11,9 @@ training time; per receiver, the several-sharers row. Then it checks the issue's
 - C2C MMLU accuracy >= receiver alone + 3 points, and >= T2T;
 - C2C latency <= 0.5 x T2T latency.
 
-    python bench/bench_c2c.py                       # ~1 h here (2 cores, models cached)
-    python bench/bench_c2c.py --quick               # smaller fusers/eval budget (~20 min)
+    python bench/bench_c2c.py                       # the default main job (~40 min here)
+    python bench/bench_c2c.py --experiment c2c      # 60 fuser steps, 100 MMLU, 10 Dolly/category
+    python bench/bench_c2c.py --quick               # smaller fusers/eval budget
     python bench/bench_c2c.py --from-results outputs/<run>/results.json   # summarise a run
     python bench/bench_c2c.py c2c.train.steps=200   # extra Hydra overrides
 
@@ -38,8 +40,8 @@ from bench_main import run_experiment  # noqa: E402
 
 from edgefuse.results import atomic_write_json, load_results  # noqa: E402
 
-QUICK = ["c2c.train.steps=20", "c2c.train.examples=120", "c2c.eval.mmlu_n=40",
-         "c2c.eval.dolly_per_category=3"]
+QUICK = ["federation.num_rounds=1", "c2c.train.steps=10", "c2c.train.examples=80",
+         "c2c.eval.mmlu_n=20", "c2c.eval.dolly_per_category=1"]
 
 
 def _row(rows, receiver, mode, sharers):
@@ -126,6 +128,7 @@ def plot(report: dict, path: Path) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller fuser and evaluation budget")
+    ap.add_argument("--experiment", default="default", help="the experiment to run (default: default)")
     ap.add_argument("--from-results", default=None, help="summarise this results.json instead of running")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "bench_c2c.json"))
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides")
@@ -138,8 +141,8 @@ def main(argv=None) -> int:
         results_json = Path(args.from_results)
     else:
         overrides = (QUICK if args.quick else []) + list(args.overrides)
-        print("[bench] running experiment=c2c ...", flush=True)
-        e = run_experiment("c2c", out.parent / (out.stem + "_runs"), overrides)
+        print(f"[bench] running experiment={args.experiment} ...", flush=True)
+        e = run_experiment(args.experiment, out.parent / (out.stem + "_runs"), overrides)
         report.update(wall_s=e["wall_s"], peak_pss_bytes=e["peak_pss_bytes"])
         results_json = Path(e["results_json"])
     res = load_results(results_json)

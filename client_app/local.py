@@ -1,8 +1,8 @@
 """What one client does, without Flower: its model, adapter and data, cached per process.
 
 Flower's simulation reuses one process for several nodes, so module state is shared by
-clients: the model cache holds ONE model (keyed by spec and LoRA settings) and is
-replaced when a client of another model arrives; per-client results that must survive
+clients: the model cache holds at most ``federation.models_per_worker`` models (keyed by
+spec and LoRA settings; least recently used freed first); per-client results that must survive
 between messages live in the Flower ``Context.state``.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from omegaconf import DictConfig
@@ -21,7 +22,7 @@ from edgefuse.lora import (attach_lora, get_adapter_state, pack_adapter, set_ada
 from edgefuse.models import load_model
 from edgefuse.training import evaluate_loss, train_steps
 
-_MODEL: dict = {}  # {"key": tuple, "peft": PeftModel, "tok": tokenizer, "init": state, "load_s": float}
+_MODELS: "OrderedDict[tuple, dict]" = OrderedDict()  # LRU: key -> {"peft", "tok", "init", "load_s"}
 _ROWS: dict = {}  # (model, partition, ...) -> (train_rows, val_rows)
 
 
@@ -31,18 +32,24 @@ def _lora_key(cfg: DictConfig, entry: DictConfig) -> tuple:
 
 
 def _model_for(cfg: DictConfig, entry: DictConfig) -> dict:
+    """The model slot for ``entry``, from the per-process LRU cache of
+    ``federation.models_per_worker`` slots (the least recently used one is freed first)."""
     key = _lora_key(cfg, entry)
-    if _MODEL.get("key") != key:
-        _MODEL.clear()
+    if key in _MODELS:
+        _MODELS.move_to_end(key)
+        return _MODELS[key]
+    keep = max(1, int(cfg.federation.get("models_per_worker", 1)))
+    while len(_MODELS) >= keep:
+        _MODELS.popitem(last=False)
         gc.collect()
-        t0 = time.perf_counter()
-        model, tok = load_model(entry.model, root=cfg.paths.cache_dir)
-        name, rank, alpha, dropout, targets, _, seed = key
-        peft = attach_lora(model, rank=rank, alpha=alpha, dropout=dropout,
-                           target_modules=targets, seed=seed)
-        _MODEL.update(key=key, peft=peft, tok=tok, init=get_adapter_state(peft),
-                      load_s=time.perf_counter() - t0)
-    return _MODEL
+    t0 = time.perf_counter()
+    model, tok = load_model(entry.model, root=cfg.paths.cache_dir)
+    name, rank, alpha, dropout, targets, _, seed = key
+    peft = attach_lora(model, rank=rank, alpha=alpha, dropout=dropout,
+                       target_modules=targets, seed=seed)
+    _MODELS[key] = dict(key=key, peft=peft, tok=tok, init=get_adapter_state(peft),
+                        load_s=time.perf_counter() - t0)
+    return _MODELS[key]
 
 
 def _rows_for(cfg: DictConfig, entry: DictConfig, tok, partition_id: int, num_partitions: int):

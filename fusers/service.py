@@ -35,7 +35,7 @@ from .registry import (FuserCard, FuserRegistry, FuserVersion, FuserVersionError
                        adapter_change, adapter_hash, config_hash)
 from .train import build_pair_examples, evaluate_pair, train_fuser
 
-VAL_ROWS = 16  # public rows after the training rows that score each fuser
+VAL_ROWS = 8  # public rows after the training rows that score each fuser
 
 
 def _log(msg: str, *args) -> None:

@@ -20,10 +20,13 @@ After the last round (or every round, ``c2c.train.at``) the server
 The server relays sealed bytes only: sessions are keyed by X25519 between the two devices
 (public keys from ``query.info``), with a fresh session id per exchange.
 
-Latency per query (ms) = the devices' measured compute (prefill, fuse, decode) + the
-emulated link (``c2c.eval.wan``) for each relayed payload: device → server → device, two
-hops of :meth:`edgefuse.transport.wan.WanLink.delay_s`. Sharers of ``multi`` work in
-parallel (the slowest counts). Flower's own message overhead is not included (it is a
+Latency per query (ms) is built from the devices' measured compute and the emulated link
+(``c2c.eval.wan``; each relayed payload takes two hops, device → server → device, of
+:meth:`edgefuse.transport.wan.WanLink.delay_s`). The exchange time is the sharer's compute
+plus its payload's hops (Co-C2C: both legs; ``multi``: the slowest sharer, as sharers work
+in parallel). Then ``alone``/``t2t``: exchange + receiver prefill + decode (T2T's prompt
+needs the hint first); ``c2c``/``co_c2c``/``multi``: max(exchange, receiver prefill) + fuse
++ decode, since the receiver prefills its own prompt while the sharers work. Flower's own message overhead is not included (it is a
 simulation artefact; it is in the phase's wall time). ``bytes_sent`` counts the sealed
 payload bytes the devices send per query (what each device puts on its uplink).
 """
@@ -277,7 +280,10 @@ class C2CPhase:
         for r, p, b in zip(results, pre_ms, sent):
             r["exchange_ms"] = p
             r["bytes_sent"] = b
-            r["latency_ms"] = p + r["prefill_ms"] + r["fuse_ms"] + r["decode_ms"]
+            if mode in ("alone", "t2t"):  # the prompt needs the hint first
+                r["latency_ms"] = p + r["prefill_ms"] + r["decode_ms"]
+            else:  # the receiver prefills its own prompt while the sharers work
+                r["latency_ms"] = max(p, r["prefill_ms"]) + r["fuse_ms"] + r["decode_ms"]
         return results
 
 
