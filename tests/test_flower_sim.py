@@ -55,12 +55,50 @@ def test_tiny_federation_survives_a_crashing_client(tmp_path):
         csv_rows = list(csv.DictReader(f))
     assert len(csv_rows) == 4 * len(res["rounds"])
     assert {r["status"] for r in csv_rows if r["partition_id"] == "3"} == {"failed"}
+    # C2C goes on without the broken model: one fuser each way between the two that trained.
+    assert sorted((f["sharer"], f["receiver"]) for f in res["fusers"]) == [
+        ("tiny-llama", "tiny-qwen2"), ("tiny-qwen2", "tiny-llama")]
+    assert {r["mode"] for r in res["c2c"]} == {"alone", "t2t", "c2c", "co_c2c"}  # no 2nd sharer
+    assert all(r.get("error") is None and r["n"] > 0 for r in res["c2c"])
+
+
+def test_tiny_c2c_trains_hosts_and_applies_fusers_for_every_pair(tmp_path):
+    """Three architectures: six fusers trained on the server, installed by the receivers
+    (version-checked), and every mode evaluated over E2E-sealed relayed payloads."""
+    res = run_edgefuse(tmp_path, "experiment=tiny", "federation.num_rounds=1")
+    assert res["status"] == "completed"
+    models = ["tiny-llama", "tiny-qwen2", "tiny-gemma3"]
+    pairs = sorted((f["sharer"], f["receiver"]) for f in res["fusers"])
+    assert pairs == sorted((s, r) for s in models for r in models if s != r)
+    out = Path(res["summary"]["out_dir"])
+    for f in res["fusers"]:
+        assert f["action"] == "trained" and f["download"] == "installed"
+        assert f["bytes"] == 4 * f["params"] > 0 and f["train_steps"] == 2
+        card = json.loads((out / "fusers" / f"{f['sharer']}__to__{f['receiver']}" / f["version"]
+                           / "card.json").read_text())
+        assert card["version_id"] == f["version"] and card["params"] == f["params"]
+    rows = res["c2c"]
+    assert all(r.get("error") is None for r in rows), [r.get("error") for r in rows]
+    n = rows[0]["n"]
+    assert n == 3 + 8 and all(r["n"] == n for r in rows)  # 3 MMLU + 1 Dolly row per category
+    by = {(r["receiver"], r["mode"], tuple(r["sharers"])): r for r in rows}
+    assert len(by) == len(rows) == 3 * (1 + 3 * 2 + 1)  # alone, 2 x (t2t, c2c, co_c2c), multi
+    for m in models:
+        assert by[(m, "alone", ())]["bytes_sent"] == 0
+        multi = [r for r in rows if r["receiver"] == m and r["mode"] == "multi"][0]
+        assert sorted(multi["sharers"]) == sorted(x for x in models if x != m)
+        for s in multi["sharers"]:
+            c2c, co = by[(m, "c2c", (s,))], by[(m, "co_c2c", (s,))]
+            assert co["bytes_sent"] > c2c["bytes_sent"] > by[(m, "t2t", (s,))]["bytes_sent"] > 0
+        assert multi["bytes_sent"] == sum(by[(m, "c2c", (s,))]["bytes_sent"] for s in multi["sharers"])
+    for name in ("c2c.csv", "c2c.png"):
+        assert (out / name).stat().st_size > 0
 
 
 def test_multirun_sweep_gives_one_folder_per_job(tmp_path):
     env = dict(os.environ, EDGEFUSE_DATA_MIRROR=str(mirror_path()))
     cmd = [sys.executable, "-m", "edgefuse.cli", "run", "--multirun", f"outputs.root={tmp_path}",
-           "experiment=tiny", "federation.num_rounds=1", "training.lr=1e-3,3e-2"]
+           "experiment=tiny", "federation.num_rounds=1", "c2c=disabled", "training.lr=1e-3,3e-2"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     jobs = sorted(tmp_path.glob("multirun/*/*/results.json"))
