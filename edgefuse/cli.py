@@ -2,6 +2,7 @@
 
     edgefuse models list                  registered models and whether they are cached
     edgefuse models fetch [NAME ...]      download + verify + convert (default: the edge SLMs)
+    edgefuse fusers list REGISTRY_DIR     fuser versions in a registry (e.g. <run>/fusers)
     edgefuse run [HYDRA OVERRIDES ...]    the main job: a Flower simulation (`flwr run`)
     edgefuse run --multirun training.lr=1e-4,3e-4   a Hydra sweep, one output folder per job
 """
@@ -51,6 +52,44 @@ def _models(argv: list[str]) -> int:
     return 0
 
 
+def _fusers(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="edgefuse fusers")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    ls = sub.add_parser("list", help="every fuser version in a registry folder")
+    ls.add_argument("registry", help="a registry folder, e.g. outputs/<run>/fusers")
+    args = parser.parse_args(argv)
+    from pathlib import Path
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from fusers.registry import FuserIntegrityError, FuserRegistry
+
+    root = Path(args.registry)
+    if not root.is_dir():
+        print(f"edgefuse: no registry folder {root}", file=sys.stderr)
+        return 2
+    reg = FuserRegistry(root)
+    try:
+        cards = reg.list()
+    except FuserIntegrityError as e:
+        print(f"edgefuse: {e}", file=sys.stderr)
+        return 2
+    table = Table(title=f"fusers in {reg.root}")
+    for col in ("sharer", "receiver", "version", "latest", "params", "MB", "steps", "val loss", "alone"):
+        table.add_column(col, justify="left" if col in ("sharer", "receiver", "version") else "right")
+    for c in cards:
+        latest = reg.latest(c.sharer_spec, c.receiver_spec)
+        scores = c.scores or {}
+        fmt = lambda x: "-" if x is None else f"{x:.4f}"  # noqa: E731
+        table.add_row(c.sharer_spec, c.receiver_spec, c.version_id,
+                      "yes" if latest is not None and latest.id == c.version_id else "",
+                      f"{c.params:,}", f"{c.bytes / 1e6:.2f}", str(c.train_steps),
+                      fmt(scores.get("val_loss")), fmt(scores.get("alone_val_loss")))
+    Console(width=None if sys.stdout.isatty() else 160).print(table)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``edgefuse`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -59,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if argv[0] == "models":
         return _models(argv[1:])
+    if argv[0] == "fusers":
+        return _fusers(argv[1:])
     if argv[0] == "run":
         from edgefuse.launch import hydra_main
 

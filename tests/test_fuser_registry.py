@@ -368,3 +368,15 @@ def test_unpack_rejects_malformed_index(specs):
         unpack_state({"fuser": nan}, index_json)
     with pytest.raises(ValueError, match="dtype"):
         pack_state({"x": np.arange(3)})
+
+
+def test_cli_lists_a_registry(tmp_path, specs, capsys):
+    from edgefuse.cli import main
+
+    reg = FuserRegistry(tmp_path)
+    fuser, _, _, _, v, _ = save_one(reg, specs)
+    assert main(["fusers", "list", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert v.id in out and f"{fuser.num_parameters():,}" in out and "yes" in out
+    assert main(["fusers", "list", str(tmp_path / "missing")]) == 2
+    assert "no registry folder" in capsys.readouterr().err
