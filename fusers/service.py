@@ -221,9 +221,7 @@ class FuserService:
     def _carry_over(self, prev, version: FuserVersion, sharer: Side, receiver: Side) -> FuserCard:
         old_version, state, s_old, r_old = prev
         old_card = self.registry.load_state(old_version)[2]
-        fuser = C2CFuser(kv_spec_from_config(_config_of(self.cfg, sharer.model, receiver.model, "r")),
-                         kv_spec_from_config(_config_of(self.cfg, sharer.model, receiver.model, "s")),
-                         self.fcfg)
+        fuser = C2CFuser(kv_spec(self.cfg, receiver.model), kv_spec(self.cfg, sharer.model), self.fcfg)
         fuser.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()})
         note = (f"carried over from {old_version.id}: adapter change sharer "
                 f"{adapter_change(s_old, sharer.state):.4f}, receiver "
@@ -314,17 +312,20 @@ def train_multi_gate(cfg, service: FuserService, sides: dict[str, Side], receive
     return state, meta
 
 
-def _config_of(cfg, sharer: str, receiver: str, which: str):
-    """The transformers config of the receiver (``"r"``) or sharer (``"s"``) model."""
+def kv_spec(cfg, name: str):
+    """The :class:`fusers.fuser.KVSpec` of a model spec, from its config alone (no weights).
+
+    Raises:
+        ModelSpecError / ModelFetchError: unknown or unfetched model.
+    """
     from transformers import AutoConfig
 
     from edgefuse.models import get_spec, resolve_path, tiny_model
 
-    name = receiver if which == "r" else sharer
     spec = get_spec(name)
     if spec.tiny:
-        return tiny_model(spec.arch)[0].config
-    return AutoConfig.from_pretrained(resolve_path(spec, cfg.paths.cache_dir))
+        return kv_spec_from_config(tiny_model(spec.arch)[0].config)
+    return kv_spec_from_config(AutoConfig.from_pretrained(resolve_path(spec, cfg.paths.cache_dir)))
 
 
 def _remove_tree(path) -> None:
@@ -337,5 +338,5 @@ def _fmt(x) -> str:
     return "-" if x is None else f"{x:.4f}"
 
 
-__all__ = ["Side", "FuserService", "train_multi_gate", "pair_list", "fuser_config", "load_public_copy", "public_rows",
+__all__ = ["Side", "FuserService", "train_multi_gate", "kv_spec", "pair_list", "fuser_config", "load_public_copy", "public_rows",
            "VAL_ROWS"]

@@ -43,11 +43,10 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message
 from flwr.common.logger import log
 
 from edgefuse.transport.wan import WanLink, WanProfile
-from fusers.fuser import kv_spec_from_config
 from fusers.peer import unpack_frames
 from fusers.queries import Query, dolly_eval_queries, load_mmlu, rouge_l
 from fusers.registry import pack_state
-from fusers.service import VAL_ROWS, FuserService, Side, _config_of, pair_list
+from fusers.service import VAL_ROWS, FuserService, Side, kv_spec, pair_list
 from server_app.strategy import GroupedLoRA, NodeInfo, last_line
 
 MODES = ("alone", "t2t", "c2c", "co_c2c", "multi")
@@ -159,7 +158,7 @@ class C2CPhase:
             if not sharers:
                 continue
             conf, arrays = {"sharers": sharers}, {}
-            r_kv = kv_spec_from_config(_config_of(self.cfg, "", receiver, "r")).to_dict()
+            r_kv = kv_spec(self.cfg, receiver).to_dict()
             nbytes, sd = 0, sides(self.strategy, self.reps)
             for sharer in sharers:
                 version = self.service.version(sd[sharer], sd[receiver])
@@ -168,7 +167,7 @@ class C2CPhase:
                 arrays[f"fuser.{sharer}"] = ArrayRecord({k: Array(v) for k, v in packed.items()})
                 conf[f"meta.{sharer}"] = json.dumps({
                     "card": card.to_json(), "config": fcfg, "index": index, "receiver_kv": r_kv,
-                    "sharer_kv": kv_spec_from_config(_config_of(self.cfg, sharer, "", "s")).to_dict()})
+                    "sharer_kv": kv_spec(self.cfg, sharer).to_dict()})
                 nbytes += sum(v.nbytes for v in packed.values())
             if receiver in self.gates:
                 g_sharers, g_state, g_meta = self.gates[receiver]
