@@ -11,8 +11,8 @@ training time; per receiver, the several-sharers row. Then it checks the issue's
 - C2C MMLU accuracy >= receiver alone + 3 points, and >= T2T;
 - C2C latency <= 0.5 x T2T latency.
 
-    python bench/bench_c2c.py                       # the default main job (~40 min here)
-    python bench/bench_c2c.py --experiment c2c      # 60 fuser steps, 100 MMLU, 10 Dolly/category
+    python bench/bench_c2c.py                       # the default main job (~70 min here)
+    python bench/bench_c2c.py --experiment c2c      # 60 fuser steps, 100 MMLU, 10 Dolly/category (not measured)
     python bench/bench_c2c.py --quick               # smaller fusers/eval budget
     python bench/bench_c2c.py --from-results outputs/<run>/results.json   # summarise a run
     python bench/bench_c2c.py c2c.train.steps=200   # extra Hydra overrides
