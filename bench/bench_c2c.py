@@ -118,7 +118,7 @@ def plot(report: dict, path: Path) -> None:
     for ax in (ax1, ax2):
         ax.set_xticks(range(len(pairs)), labels, fontsize=8)
         ax.legend(fontsize=8, ncol=5)
-    ax1.set_title(f"C2C vs baselines per pair (receiver \u2190 sharer); targets met: "
+    ax1.set_title(f"C2C vs baselines per pair (receiver \u2190 sharer)\ntargets met: "
                   f"{report['summary']['targets_met']}", fontsize=9)
     tmp = path.with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=110)
