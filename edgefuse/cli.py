@@ -55,7 +55,8 @@ def _models(argv: list[str]) -> int:
 def _fusers(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="edgefuse fusers")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    ls = sub.add_parser("list", help="every fuser version in a registry folder")
+    ls = sub.add_parser("list", help="every fuser version in a registry folder (from the cards; "
+                                     "weights are verified when a fuser is loaded)")
     ls.add_argument("registry", help="a registry folder, e.g. outputs/<run>/fusers")
     args = parser.parse_args(argv)
     from pathlib import Path

@@ -16,6 +16,9 @@ from omegaconf import DictConfig, OmegaConf
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
+C2C_MODES = ("alone", "t2t", "c2c", "co_c2c", "multi")
+
+
 class ConfigError(ValueError):
     """The config could not be composed, or a value in it is unusable."""
 
@@ -60,8 +63,8 @@ def validate(cfg: DictConfig) -> None:
     Raises:
         ConfigError: no clients, a client entry without a model, a rank / step / round /
             batch count that is not a positive integer, or a non-positive lr or timeout;
-            with ``c2c.enabled``, a non-positive step / example / token count or an unknown
-            ``c2c.train.at``.
+            with ``c2c.enabled``, a non-positive step / example / token count, an unknown
+            ``c2c.train.at``, evaluation mode or WAN preset, or a bad ``c2c.pairs`` entry.
     """
     clients = cfg.federation.clients
     if not clients:
@@ -80,6 +83,18 @@ def validate(cfg: DictConfig) -> None:
             _positive_int(OmegaConf.select(cfg, key), key)
         if str(c2c.train.at) not in ("final", "every_round"):
             raise ConfigError(f"c2c.train.at must be 'final' or 'every_round', got {c2c.train.at!r}")
+        unknown = sorted(set(map(str, c2c.eval.modes)) - set(C2C_MODES))
+        if unknown:
+            raise ConfigError(f"c2c.eval.modes has unknown modes {unknown}: use {', '.join(C2C_MODES)}")
+        from edgefuse.transport.wan import WanProfile
+        from fusers.service import pair_list
+
+        try:
+            WanProfile.from_name(str(c2c.eval.wan))
+        except ValueError as e:
+            raise ConfigError(f"c2c.eval.wan: {e}") from None
+        pair_list(c2c.pairs if isinstance(c2c.pairs, str) else list(c2c.pairs),
+                  list(dict.fromkeys(str(c.model) for c in clients)))
     for key in ("training.lr", "federation.round_timeout_s"):
         try:
             if float(OmegaConf.select(cfg, key)) <= 0:

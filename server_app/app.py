@@ -75,10 +75,10 @@ def main(grid: Grid, context: Context) -> None:
     recorder.save()
     strategy = GroupedLoRA(cfg)
     fed = cfg.federation
-    phase = _c2c_phase(cfg, grid, strategy, out, float(fed.round_timeout_s))
     timeout = float(fed.round_timeout_s)
     t_run = time.perf_counter()
     try:
+        phase = _c2c_phase(cfg, grid, strategy, out, timeout)
         node_ids = wait_for_nodes(grid, len(fed.clients), timeout)
         for r in range(1, int(fed.num_rounds) + 1):
             t0 = time.perf_counter()

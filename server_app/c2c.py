@@ -49,7 +49,7 @@ from fusers.registry import pack_state
 from fusers.service import VAL_ROWS, FuserService, Side, kv_spec, pair_list
 from server_app.strategy import GroupedLoRA, NodeInfo, last_line
 
-MODES = ("alone", "t2t", "c2c", "co_c2c", "multi")
+from edgefuse.config import C2C_MODES as MODES  # noqa: E402
 
 
 class C2CError(RuntimeError):

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from edgefuse.config import ConfigError, client_entry, compose, from_json, to_json
@@ -52,3 +54,15 @@ def test_json_round_trip_and_client_entry():
     assert client_entry(back, 2).model == "tiny-qwen2"
     with pytest.raises(ConfigError, match="partition-id 9"):
         client_entry(back, 9)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("c2c.eval.modes=[alone,bogus]", "unknown modes ['bogus']"),
+    ("c2c.eval.wan=moon", "unknown WAN preset 'moon'"),
+    ('c2c.pairs=["tiny-llama->nope"]', "'nope' is not a model of this federation"),
+    ('c2c.pairs=["tiny-llama->tiny-llama"]', "pairs a model with itself"),
+    ("c2c.train.steps=0", "c2c.train.steps must be an integer >= 1"),
+])
+def test_bad_c2c_settings_fail_at_compose_time(override, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        compose("tiny", [override])
