@@ -6,6 +6,7 @@ import math
 import time
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from edgefuse.data import batches, collate
@@ -43,7 +44,9 @@ def train_steps(
     """Run ``steps`` AdamW steps on the trainable (LoRA) parameters of ``model``.
 
     The optimizer starts fresh every round (its state is not federated), as in
-    FlowerTune. Loss is the mean cross-entropy per response token of each batch.
+    FlowerTune. Loss is the mean cross-entropy per response token of each batch. Batch order
+    and dropout noise are functions of ``(seed, round_idx)`` only, so a run repeats exactly
+    whatever else the process ran before.
 
     Returns:
         ``{"train_loss": mean of the step losses (nats/token), "first_loss", "last_loss",
@@ -66,16 +69,21 @@ def train_steps(
         from tqdm.auto import tqdm
 
         it = tqdm(it, desc="train", unit="step", leave=False)
-    for _ in it:
-        batch = collate(next(stream), pad_id)
-        loss_sum, n = _token_loss_sum(model, batch)
-        loss = loss_sum / max(n, 1)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-        opt.step()
-        losses.append(float(loss.detach()))
-        tokens += n
+    device = next(model.parameters()).device
+    # Dropout noise from (seed, round), not from whatever this worker process ran before:
+    # the same config gives the same adapters on any schedule; the caller's RNG is untouched.
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(int(np.random.default_rng([seed, round_idx]).integers(2**62)))
+        for _ in it:
+            batch = collate(next(stream), pad_id)
+            loss_sum, n = _token_loss_sum(model, batch)
+            loss = loss_sum / max(n, 1)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+            opt.step()
+            losses.append(float(loss.detach()))
+            tokens += n
     model.eval()
     return {
         "train_loss": sum(losses) / len(losses),

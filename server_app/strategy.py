@@ -162,6 +162,7 @@ class GroupedLoRA:
             raise NoClientSucceeded(f"round {round_idx}: no client returned a usable update ({reasons})")
         group_rows = []
         for model, ups in updates.items():
+            ups.sort(key=lambda u: u.partition_id)  # reply order must not change the float sums
             t0 = time.perf_counter()
             self.shapes.setdefault(model, module_shapes(ups[0].state))
             result = aggregate_group(ups, method=str(self.cfg.training.hetero_rank))

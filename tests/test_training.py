@@ -59,3 +59,26 @@ def test_empty_inputs_raise(tiny):
         train_steps(model, [], tok.pad_token_id, steps=1, batch_size=1, lr=1e-3)
     with pytest.raises(ValueError, match="no evaluation rows"):
         evaluate_loss(model, [], tok.pad_token_id)
+
+
+def test_training_repeats_exactly_whatever_ran_before():
+    """Dropout noise comes from (seed, round), not from the process's RNG history."""
+    import torch
+
+    from edgefuse.lora import attach_lora, get_adapter_state
+    from edgefuse.models import tiny_model
+    from edgefuse.training import train_steps
+
+    def run(noise_first: bool):
+        model, tok = tiny_model("llama")
+        peft = attach_lora(model, rank=4, alpha=8, dropout=0.3, target_modules=["q_proj", "v_proj"], seed=0)
+        ids = tok("The quick brown fox jumps over the lazy dog.")["input_ids"]
+        rows = [{"input_ids": ids, "labels": ids, "attention_mask": [1] * len(ids)}] * 4
+        if noise_first:
+            torch.rand(1000)  # another client's work in the same worker
+        out = train_steps(peft, rows, tok.pad_token_id, steps=3, batch_size=2, lr=1e-2, seed=5, round_idx=2)
+        return out["train_loss"], get_adapter_state(peft)
+
+    (loss_a, a), (loss_b, b) = run(False), run(True)
+    assert loss_a == loss_b
+    assert all((a[k] == b[k]).all() for k in a)
