@@ -38,12 +38,11 @@ import os
 import time
 from logging import INFO, WARNING
 
-import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message
 from flwr.common.logger import log
 
 from edgefuse.transport.wan import WanLink, WanProfile
-from fusers.peer import unpack_frames
+from fusers.peer import pack_frames, unpack_frames
 from fusers.queries import Query, dolly_eval_queries, load_mmlu, rouge_l
 from fusers.registry import pack_state
 from fusers.service import VAL_ROWS, FuserService, Side, kv_spec, pair_list
@@ -234,9 +233,8 @@ class C2CPhase:
         msg_type = "share"
         if refine_frames is not None:
             msg_type = "refine"
-            flat = np.frombuffer(b"".join(refine_frames), dtype=np.uint8).copy()
+            flat, conf["frames_lengths"] = pack_frames(refine_frames)
             arrays = {"frames": ArrayRecord({"frames": Array(flat)})}
-            conf["frames_lengths"] = [len(f) for f in refine_frames]
         reply = self._ask(node, msg_type, conf, arrays, round_idx)
         rec = reply.content["c2c"]
         frames = unpack_frames(reply.content["frames"]["frames"].numpy(), list(rec["frames_lengths"]))
@@ -267,9 +265,8 @@ class C2CPhase:
                                               round_idx)
                 lat = [a + self._hop(len(x)) for a, x in zip(ms, frames)]
                 nb = [len(x) for x in frames]
-            flat = np.frombuffer(b"".join(frames), dtype=np.uint8).copy()
+            flat, conf[f"frames.{i}_lengths"] = pack_frames(frames)
             arrays[f"frames.{i}"] = ArrayRecord({"frames": Array(flat)})
-            conf[f"frames.{i}_lengths"] = [len(f) for f in frames]
             conf[f"peer_public_key.{i}"] = self.reps[s].public_key
             conf[f"session_id.{i}"] = sid.hex()
             pre_ms = [max(a, b) for a, b in zip(pre_ms, lat)]  # sharers work in parallel
