@@ -123,7 +123,7 @@ def _mmlu_from_mirror(mirror: str | Path, split: str, subjects: list[str] | None
     if not files:
         raise FileNotFoundError(
             f"no MMLU files {folder}/SUBJECT_{split}.csv (mirror={str(mirror)!r}). Point "
-            f"c2c.eval.mmlu_mirror (or the data mirror, e.g. ../shared/data) at the folder "
+            f"data.mirror (the data mirror, e.g. ../shared/data) at the folder "
             f"holding mmlu/{split}/, or set it to null to download {MMLU_HUB_ID!r} from the hub.")
     if subjects is not None:
         unknown = sorted(set(subjects) - set(files))
@@ -149,7 +149,7 @@ def _mmlu_from_hub(split: str, subjects: list[str] | None) -> dict[str, list[dic
     except Exception as e:  # offline, hub errors, unknown split: many types
         raise RuntimeError(
             f"could not load {MMLU_HUB_ID!r} (split {split!r}) from the hub: {type(e).__name__}: {e}. "
-            f"Offline, set c2c.eval.mmlu_mirror to a data mirror holding mmlu/{split}/ "
+            f"Offline, set data.mirror to a data mirror holding mmlu/{split}/ "
             f"(e.g. ../shared/data).") from e
     table: dict[str, list[dict]] = {}
     for r in ds:
@@ -184,7 +184,7 @@ def load_mmlu(mirror: str | Path | None, n: int, seed: int, split: str = "test",
         ValueError: ``n < 1``, ``split`` not dev/test, unknown subjects (the message names
             a few valid ones), or fewer than ``n`` questions available.
         FileNotFoundError: the mirror has no ``mmlu/<split>/`` files (the message names the
-            path and the setting ``c2c.eval.mmlu_mirror``).
+            path and the setting ``data.mirror``).
         RuntimeError: ``mirror=None`` and the hub could not be reached.
     """
     if n < 1:

@@ -86,7 +86,7 @@ def test_load_mmlu_keeps_none_and_numeric_choices_as_text(mirror):
 
 
 def test_load_mmlu_errors(mirror, tmp_path):
-    with pytest.raises(FileNotFoundError, match="c2c.eval.mmlu_mirror") as e:
+    with pytest.raises(FileNotFoundError, match="data.mirror") as e:
         load_mmlu(tmp_path / "nowhere", 5, seed=0)
     assert str(tmp_path / "nowhere") in str(e.value)
     with pytest.raises(ValueError, match="abstract_algebra"):
