@@ -1,0 +1,166 @@
+"""Speculative decoding math, shared by the device (draft) and the cloud (verify).
+
+Follows Leviathan, Kalman & Matias 2023, "Fast Inference from Transformers via Speculative
+Decoding" (Algorithm 1), and Chen et al. 2023, "Accelerating Large Language Model Decoding
+with Speculative Sampling": greedy verification keeps the longest prefix of the draft that
+equals the target's argmax; sampled verification accepts draft token x with probability
+min(1, p(x)/q(x)) and on rejection samples from norm(max(0, p − q)), so the output
+distribution equals the target's p whatever the draft distribution q is.
+
+The draft distribution crosses the link sparse (its top-kq, float16), so both ends must use
+exactly the same q: :func:`sparse_q` turns the sent values into q on both sides, and the
+device samples its drafts from that q, not from its own full softmax.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+def target_probs(logits: torch.Tensor, temperature: float, top_k: int = 0) -> torch.Tensor:
+    """Next-token probabilities ``float64[..., V]`` from ``logits[..., V]``.
+
+    ``temperature`` > 0 scales the logits; ``top_k`` > 0 keeps the k largest (ties kept).
+    Raises ``ValueError`` for temperature <= 0 (greedy decoding uses argmax, not this)."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
+    x = logits.double() / temperature
+    if top_k and top_k < x.shape[-1]:
+        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    return torch.softmax(x, dim=-1)
+
+
+def draft_q(logits: torch.Tensor, temperature: float, kq: int) -> tuple[np.ndarray, np.ndarray]:
+    """The sparse draft distribution the device sends: ``(ids int64[kq], probs float16[kq])``,
+    the top-``kq`` of ``softmax(logits / temperature)`` rounded to float16 (what goes on the
+    wire). Sample from ``sparse_q(ids, probs)``, never from the full softmax.
+    ``logits``: float[V] over the vocabulary (or over the draft's kept ids, then map ids)."""
+    p = torch.softmax(logits.double() / temperature, dim=-1)
+    vals, ids = torch.topk(p, min(kq, p.shape[-1]))
+    probs = vals.numpy().astype(np.float16)
+    keep = probs > 0  # float16 underflow: drop zero entries
+    if not keep.any():
+        keep[0] = True
+        probs[0] = np.float16(1.0)
+    return ids.numpy()[keep].astype(np.int64), probs[keep]
+
+
+def sparse_q(ids, probs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Normalise sent draft values: ``(ids LongTensor[k], q float64[k])`` with q summing to 1.
+
+    Raises ``ValueError`` for mismatched lengths, duplicate ids, negative or all-zero values."""
+    ids = torch.as_tensor(np.asarray(ids, dtype=np.int64))
+    vals = torch.as_tensor(np.asarray(probs, dtype=np.float64))
+    if ids.shape != vals.shape or ids.ndim != 1:
+        raise ValueError(f"q ids {tuple(ids.shape)} and probs {tuple(vals.shape)} must be equal 1-D")
+    if len(torch.unique(ids)) != len(ids):
+        raise ValueError("q ids contain duplicates")
+    if (vals < 0).any() or not torch.isfinite(vals).all() or float(vals.sum()) <= 0:
+        raise ValueError("q probs must be finite, >= 0 and not all zero")
+    return ids, vals / vals.sum()
+
+
+def sample_sparse(ids: torch.Tensor, q: torch.Tensor, gen: torch.Generator) -> int:
+    """One token id drawn from the sparse distribution ``q`` over ``ids``."""
+    return int(ids[torch.multinomial(q.float(), 1, generator=gen)])
+
+
+def verify_greedy(target_argmax: list[int], draft: list[int]) -> tuple[int, int]:
+    """Greedy verification. ``target_argmax``: the target's argmax at each of the γ+1
+    positions (after the committed context, after draft[0], …). Returns ``(n, token)``: the
+    number of draft tokens kept (longest matching prefix) and the target's token after them."""
+    if len(target_argmax) != len(draft) + 1:
+        raise ValueError(f"need γ+1 = {len(draft) + 1} target positions, got {len(target_argmax)}")
+    n = 0
+    while n < len(draft) and draft[n] == target_argmax[n]:
+        n += 1
+    return n, int(target_argmax[n])
+
+
+def verify_sampled(p: torch.Tensor, draft: list[int], q: list[tuple[torch.Tensor, torch.Tensor]],
+                   gen: torch.Generator) -> tuple[int, int]:
+    """Rejection-sampling verification (Leviathan et al. 2023, Algorithm 1).
+
+    Args:
+        p: float64[γ+1, V], the target's probabilities at each position.
+        draft: the γ drafted ids; ``draft[i]`` was sampled from ``q[i]``.
+        q: per drafted position ``(ids, probs)`` from :func:`sparse_q`.
+        gen: the session's generator (uniforms and samples).
+    Returns ``(n, token)``: tokens kept and the next token, drawn from norm(max(0, p−q)) at
+    the first rejection or from p[γ] when all are kept."""
+    if p.shape[0] != len(draft) + 1 or len(q) != len(draft):
+        raise ValueError(f"p has {p.shape[0]} rows and q {len(q)} for γ = {len(draft)}")
+    for i, x in enumerate(draft):
+        ids, qv = q[i]
+        hit = (ids == x).nonzero()
+        if len(hit) == 0:
+            raise ValueError(f"drafted token {x} at position {i} is not in its sent q")
+        qx = float(qv[hit[0, 0]])
+        px = float(p[i, x])
+        u = float(torch.rand((), generator=gen, dtype=torch.float64))
+        if u * qx < px:  # u < p/q without dividing
+            continue
+        residual = p[i].clone()
+        residual[ids] = (residual[ids] - qv).clamp_min(0.0)
+        total = float(residual.sum())
+        if total <= 0:  # p ≤ q everywhere only if p == q: then rejection has probability 0
+            residual = p[i]
+            total = float(residual.sum())
+        token = int(torch.multinomial((residual / total).float(), 1, generator=gen))
+        return i, token
+    return len(draft), int(torch.multinomial(p[len(draft)].float(), 1, generator=gen))
+
+
+def expected_tokens_per_block(alpha: float, gamma: int) -> float:
+    """Expected tokens per verify round trip with per-token acceptance ``alpha`` and ``gamma``
+    drafted tokens: (1 − α^(γ+1)) / (1 − α) (Leviathan et al. 2023, eq. 1)."""
+    if gamma <= 0:
+        return 1.0
+    if alpha >= 1.0:
+        return float(gamma + 1)
+    return (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
+@dataclass
+class GammaController:
+    """Chooses γ per block from the observed acceptance rate and round-trip time.
+
+    Acceptance α is an exponential moving average (weight ``ema``) of accepted/drafted per
+    block, starting at ``alpha0``. :meth:`choose` picks the γ in [gamma_min, gamma_max] that
+    maximises tokens per second, E(α, γ) / (γ·draft_ms + rtt_ms + verify_ms(γ)), with
+    verify_ms(γ) = verify_ms · (1 + verify_growth·γ): a long RTT favours long blocks, a low α
+    short ones. ``fixed`` pins γ (no adaptation)."""
+    gamma_min: int = 1
+    gamma_max: int = 8
+    alpha0: float = 0.7
+    ema: float = 0.3
+    fixed: int | None = None
+    verify_growth: float = 0.05
+
+    def __post_init__(self):
+        if not 0 <= self.gamma_min <= self.gamma_max:
+            raise ValueError(f"need 0 <= gamma_min <= gamma_max, got {self.gamma_min}, {self.gamma_max}")
+        self.alpha = float(self.alpha0)
+
+    def update(self, accepted: int, drafted: int) -> None:
+        """Record one verified block (``accepted`` of ``drafted`` tokens kept)."""
+        if drafted > 0:
+            self.alpha = (1 - self.ema) * self.alpha + self.ema * (accepted / drafted)
+
+    def choose(self, draft_ms: float, rtt_ms: float, verify_ms: float) -> int:
+        """The γ with the highest modelled tokens/s (ties: the smaller γ)."""
+        if self.fixed is not None:
+            return int(self.fixed)
+        alpha = min(max(self.alpha, 0.0), 0.99)
+        best, best_rate = self.gamma_min, -math.inf
+        for g in range(self.gamma_min, self.gamma_max + 1):
+            cost = g * draft_ms + rtt_ms + verify_ms * (1 + self.verify_growth * g)
+            rate = expected_tokens_per_block(alpha, g) / max(cost, 1e-9)
+            if rate > best_rate + 1e-12:
+                best, best_rate = g, rate
+        return best

@@ -1,0 +1,262 @@
+"""The cloud's target LLM: per-session KV caches and batched verify / top-k steps.
+
+A :class:`TargetSession` holds one device's committed tokens and the target's KV cache of
+all of them but the last (the last one is fed with the next request, so one forward pass
+both extends the cache and yields the next-token distribution). :meth:`Target.step` runs
+the requests of several sessions in ONE forward pass: the sessions' caches are left-padded
+to a common length, the new tokens right-padded, and a 2-D attention mask hides both pads;
+afterwards each session gets back exactly its own rows, cropped to what it committed
+(rollback of rejected draft tokens). Sessions never share tensors, so one session cannot
+read another's cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+
+from . import protocol as P
+from .speculative import sparse_q, target_probs, verify_greedy, verify_sampled
+
+
+def tokenizer_fingerprint(tok) -> str:
+    """sha256 (hex, first 16 chars) of the tokenizer's vocabulary (id → piece): equal
+    fingerprints mean token ids denote the same strings on both ends."""
+    h = hashlib.sha256()
+    for piece, idx in sorted(tok.get_vocab().items(), key=lambda kv: kv[1]):
+        h.update(f"{idx}\t{piece}\n".encode())
+    return h.hexdigest()[:16]
+
+
+class SessionError(ValueError):
+    """A request the target refuses; ``code`` is the protocol ERROR code (``fingerprint``,
+    ``context``, ``sync``, ``protocol``)."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class TargetSession:
+    """One device's state at the cloud.
+
+    ``tokens``: committed ids (prompt + generated); ``cache``: the target's KV cache of
+    ``tokens[:-1]``; ``temperature`` / ``top_k``: the target's sampling settings (0 = greedy);
+    ``gen``: the session's random generator (seeded by the device's ``seed``)."""
+
+    def __init__(self, prompt: list[int], temperature: float, top_k: int, seed: int, max_new: int):
+        self.tokens = list(prompt)
+        self.prompt_len = len(prompt)
+        self.cache: DynamicCache | None = None
+        self.temperature = float(temperature)
+        self.top_k = int(top_k)
+        self.max_new = int(max_new)
+        self.gen = torch.Generator().manual_seed(int(seed))
+        self.closed = False
+
+    @property
+    def cached(self) -> int:
+        """Tokens in the KV cache (always ``len(tokens) - 1``)."""
+        return 0 if self.cache is None else self.cache.get_seq_length()
+
+
+def _cache_from(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+    cache = DynamicCache()
+    for i, (k, v) in enumerate(layers):
+        cache.update(k, v, i)
+    return cache
+
+
+def _kv(cache: DynamicCache | None, n_layers: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    if cache is None or cache.get_seq_length() == 0:
+        return None
+    return [(layer.keys, layer.values) for layer in cache.layers[:n_layers]]
+
+
+class Target:
+    """Runs the target model for many sessions. Not thread-safe: call from one thread.
+
+    Args:
+        model: a causal LM (e.g. Qwen2.5-Coder-1.5B), eval mode.
+        tok: its tokenizer (for the fingerprint and the pad id).
+        name: the model's name, reported to devices.
+        max_context: the most tokens (prompt + generated) a session may hold.
+    """
+
+    def __init__(self, model, tok, name: str, max_context: int = 2048):
+        self.model = model.eval()
+        self.name = name
+        self.fingerprint = tokenizer_fingerprint(tok)
+        self.context_len = int(max_context)
+        self.vocab_size = int(model.config.vocab_size)
+        self.n_layers = int(model.config.num_hidden_layers)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        self.pad_id = int(pad or 0)
+        self.batches = 0
+        self.jobs = 0
+
+    # -- sessions -----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def open(self, msg: P.Open) -> TargetSession:
+        """Prefill ``msg.prompt[:-1]`` into a new session.
+
+        Raises :class:`SessionError`: ``fingerprint`` (tokenizers differ: refuse rather than
+        decode garbage), ``context`` (prompt + max_new > max_context), ``protocol`` (bad
+        ids or settings)."""
+        if msg.fingerprint != self.fingerprint:
+            raise SessionError("fingerprint", f"tokenizer fingerprint {msg.fingerprint} does not "
+                               f"match the target {self.name} ({self.fingerprint}): the pair "
+                               "does not share a vocabulary")
+        if not msg.prompt:
+            raise SessionError("protocol", "empty prompt")
+        if len(msg.prompt) + max(msg.max_new, 0) > self.context_len:
+            raise SessionError("context", f"prompt {len(msg.prompt)} + max_new {msg.max_new} tokens "
+                               f"exceeds the context of {self.context_len}")
+        self._check_ids(msg.prompt)
+        if not (math.isfinite(msg.temperature) and msg.temperature >= 0) or msg.top_k < 0:
+            raise SessionError("protocol", f"bad sampling settings: temperature {msg.temperature}, "
+                               f"top_k {msg.top_k}")
+        sess = TargetSession(msg.prompt, msg.temperature, msg.top_k, msg.seed, msg.max_new)
+        if len(msg.prompt) > 1:
+            x = torch.tensor([msg.prompt[:-1]], dtype=torch.long)
+            sess.cache = self.model(input_ids=x, use_cache=True).cache
+        return sess
+
+    def close(self, sess: TargetSession) -> None:
+        """Free the session's KV cache."""
+        sess.cache = None
+        sess.closed = True
+
+    def _check_ids(self, ids) -> None:
+        bad = [i for i in ids if not 0 <= int(i) < self.vocab_size]
+        if bad:
+            raise SessionError("protocol", f"token id {bad[0]} outside the vocabulary "
+                               f"(0..{self.vocab_size - 1})")
+
+    # -- batched steps ------------------------------------------------------------------
+
+    def _prepare(self, sess: TargetSession, req) -> list[int]:
+        """Validate ``req`` against ``sess``; the input ids to feed (pending last token first)."""
+        if sess.closed:
+            raise SessionError("protocol", "session is closed")
+        if req.base_len != len(sess.tokens):
+            raise SessionError("sync", f"request assumes {req.base_len} committed tokens, the "
+                               f"cloud has {len(sess.tokens)}")
+        if isinstance(req, P.Verify):
+            new = list(req.draft)
+            if sess.temperature > 0 and new and np.shape(req.q_ids)[-1:] in ((0,), ()):
+                raise SessionError("protocol", "sampling session sent a draft without its q")
+        else:
+            new = list(req.committed)
+            if not 1 <= req.k <= min(P.MAX_TOPK, self.vocab_size):
+                raise SessionError("protocol", f"top-k {req.k} out of range")
+        self._check_ids(new)
+        if len(sess.tokens) + len(new) + 1 > self.context_len:
+            raise SessionError("context", f"session would exceed the context of {self.context_len}")
+        return [sess.tokens[-1]] + new
+
+    @torch.no_grad()
+    def step(self, jobs: list[tuple[TargetSession, P.Verify | P.Fuse]]) -> list[P.Message]:
+        """Answer VERIFY / FUSE requests of several sessions with one forward pass.
+
+        Returns one message per job, in order: ``Verified``, ``TopK`` or ``Error``. A refused
+        job leaves its session unchanged; the others proceed. At most one job per session."""
+        if len({id(s) for s, _ in jobs}) != len(jobs):
+            raise ValueError("at most one job per session in a batch")
+        replies: list[P.Message | None] = [None] * len(jobs)
+        live, inputs = [], []
+        for j, (sess, req) in enumerate(jobs):
+            try:
+                inputs.append(self._prepare(sess, req))
+                live.append(j)
+            except SessionError as exc:
+                replies[j] = P.Error(exc.code, str(exc))
+        if live:
+            logits, caches = self._forward([jobs[j][0] for j in live], inputs)
+            for b, j in enumerate(live):
+                sess, req = jobs[j]
+                try:
+                    replies[j] = self._finish(sess, req, logits[b], caches[b])
+                except (SessionError, ValueError) as exc:
+                    replies[j] = P.Error(getattr(exc, "code", "protocol"), str(exc))
+            self.batches += 1
+            self.jobs += len(live)
+        return replies  # type: ignore[return-value]
+
+    def _forward(self, sessions: list[TargetSession], inputs: list[list[int]]):
+        """Logits ``[m_b, V]`` and the new KV layers ``[(k, v)] (1, kvh, L_b + m_b, d)`` per row."""
+        if len(sessions) == 1:  # no padding: the exact single-session computation
+            sess, ids = sessions[0], inputs[0]
+            past = sess.cached
+            cache = _cache_from(_kv(sess.cache, self.n_layers)) if past else DynamicCache()
+            pos = torch.arange(past, past + len(ids)).unsqueeze(0)
+            out = self.model(input_ids=torch.tensor([ids]), position_ids=pos, cache=cache, use_cache=True)
+            kv = [(layer.keys, layer.values) for layer in out.cache.layers]
+            return [out.logits[0]], [kv]
+        lens = [s.cached for s in sessions]
+        news = [len(x) for x in inputs]
+        lmax, mmax, bsz = max(lens), max(news), len(sessions)
+        ids = torch.full((bsz, mmax), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((bsz, lmax + mmax), dtype=torch.long)
+        pos = torch.zeros((bsz, mmax), dtype=torch.long)
+        for b, (x, L) in enumerate(zip(inputs, lens)):
+            ids[b, :len(x)] = torch.tensor(x)
+            mask[b, lmax - L:lmax + len(x)] = 1
+            pos[b] = torch.arange(L, L + mmax)
+        cache = DynamicCache()
+        if lmax > 0:
+            per = [_kv(s.cache, self.n_layers) for s in sessions]
+            ref = next(p for p in per if p is not None)
+            for i in range(self.n_layers):
+                ks, vs = [], []
+                for b, L in enumerate(lens):
+                    k0, v0 = ref[i]
+                    shape = (1, k0.shape[1], lmax, k0.shape[3])
+                    k, v = torch.zeros(shape, dtype=k0.dtype), torch.zeros(shape, dtype=v0.dtype)
+                    if L:
+                        k[:, :, lmax - L:], v[:, :, lmax - L:] = per[b][i]
+                    ks.append(k)
+                    vs.append(v)
+                cache.update(torch.cat(ks), torch.cat(vs), i)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
+        logits, kvs = [], []
+        for b, (L, m) in enumerate(zip(lens, news)):
+            logits.append(out.logits[b, :m])
+            rows = list(range(lmax - L, lmax)) + list(range(lmax, lmax + m))
+            idx = torch.tensor(rows)
+            kvs.append([(layer.keys[b:b + 1, :, idx], layer.values[b:b + 1, :, idx])
+                        for layer in out.cache.layers])
+        return logits, kvs
+
+    def _finish(self, sess: TargetSession, req, logits: torch.Tensor, kv) -> P.Message:
+        """Turn one row's logits into the reply and commit the session (cache cropped)."""
+        base = len(sess.tokens)
+        if isinstance(req, P.Verify):
+            draft = list(req.draft)
+            if sess.temperature > 0:
+                q = [sparse_q(req.q_ids[i], req.q_probs[i]) for i in range(len(draft))]
+                p = target_probs(logits, sess.temperature, sess.top_k)
+                n, token = verify_sampled(p, draft, q, sess.gen)
+            else:
+                n, token = verify_greedy(torch.argmax(logits, dim=-1).tolist(), draft)
+            keep = base + n - 0  # cache covers tokens[:-1] + the pending token + n drafts
+            sess.cache = _cache_from([(k[:, :, :keep], v[:, :, :keep]) for k, v in kv])
+            sess.tokens = sess.tokens + draft[:n] + [token]
+            return P.Verified(req.req, n, token)
+        committed = list(req.committed)
+        logp = torch.log_softmax(logits[-1].double(), dim=-1)
+        vals, ids = torch.topk(logp, req.k)
+        mass = float(torch.exp(vals).sum())
+        tail = math.log(max(1.0 - mass, 1e-30))
+        top = float(np.float16(vals[0]))
+        scale = float(np.float16(max(top - float(vals[-1]), 1e-3) / 255.0))
+        q = torch.clamp(torch.round((top - vals) / scale), 0, 255).to(torch.uint8).numpy()
+        sess.tokens = sess.tokens + committed
+        keep = len(sess.tokens) - 1
+        sess.cache = _cache_from([(k[:, :, :keep], v[:, :, :keep]) for k, v in kv])
+        return P.TopK(req.req, ids.numpy().astype(np.int64), q, top, scale, tail)
