@@ -18,7 +18,7 @@ from cloud.decode import DecodeConfig, DecodeError, Decoder, EdgeLM, MODES
 from cloud.fusion import FusionConfig, cloud_logprobs, fuse
 from cloud.speculative import (GammaController, expected_tokens_per_block, sparse_q,
                                verify_greedy, verify_sampled)
-from cloud.target import Target, tokenizer_fingerprint
+from cloud.target import SessionError, Target, tokenizer_fingerprint
 from edgefuse.models import tiny_model
 
 
@@ -42,8 +42,11 @@ class DirectLink:
             raise ConnectionError("cloud went away")
         msg = P.decode(data)
         if isinstance(msg, P.Open):
-            self.session = self.target.open(msg)
-            reply = P.Opened(self.target.name, self.target.fingerprint, self.target.context_len)
+            try:
+                self.session = self.target.open(msg)
+                reply = P.Opened(self.target.name, self.target.fingerprint, self.target.context_len)
+            except SessionError as exc:
+                reply = P.Error(exc.code, str(exc))
         else:
             (reply,) = self.target.step([(self.session, msg)])
         out = P.encode(reply)
