@@ -8,6 +8,8 @@ Message types (the ServerApp sends the resolved config in every message):
   to the base model's.
 - ``query.fusers`` / ``query.share`` / ``query.refine`` / ``query.answer``: Cache-to-Cache
   (see :mod:`client_app.c2c`).
+- ``query.decode``: decode prompts with the cloud LLM service in every mode
+  (see :mod:`client_app.decode`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import warnings
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from client_app import c2c
+from client_app import c2c, decode as cloud_decode
 from client_app.local import LocalClient
 
 # peft calls a transformers property that transformers 5 deprecated; nothing to act on.
@@ -128,3 +130,9 @@ def refine(msg: Message, context: Context) -> Message:
 def answer(msg: Message, context: Context) -> Message:
     """Answer the queries alone, with T2T hints, or from fused caches."""
     return _c2c(msg, context, c2c.answer)
+
+
+@app.query("decode")
+def decode(msg: Message, context: Context) -> Message:
+    """Decode the prompts through the cloud service (edge, cloud, speculative, fusion)."""
+    return _c2c(msg, context, cloud_decode.decode)

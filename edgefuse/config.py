@@ -64,7 +64,9 @@ def validate(cfg: DictConfig) -> None:
         ConfigError: no clients, a client entry without a model, a rank / step / round /
             batch count that is not a positive integer, or a non-positive lr or timeout;
             with ``c2c.enabled``, a non-positive step / example / token count, an unknown
-            ``c2c.train.at``, evaluation mode or WAN preset, or a bad ``c2c.pairs`` entry.
+            ``c2c.train.at``, evaluation mode or WAN preset, or a bad ``c2c.pairs`` entry;
+            with ``cloud.enabled``, a ``device_model`` no client runs, an unknown mode or
+            WAN preset, or an out-of-range decoding setting.
     """
     clients = cfg.federation.clients
     if not clients:
@@ -95,12 +97,45 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"c2c.eval.wan: {e}") from None
         pair_list(c2c.pairs if isinstance(c2c.pairs, str) else list(c2c.pairs),
                   list(dict.fromkeys(str(c.model) for c in clients)))
+    cloud = cfg.get("cloud")
+    if cloud is not None and cloud.get("enabled"):
+        _validate_cloud(cfg, cloud)
     for key in ("training.lr", "federation.round_timeout_s"):
         try:
             if float(OmegaConf.select(cfg, key)) <= 0:
                 raise ValueError
         except (TypeError, ValueError):
             raise ConfigError(f"{key} must be a positive number, got {OmegaConf.select(cfg, key)!r}") from None
+
+
+def _validate_cloud(cfg: DictConfig, cloud: DictConfig) -> None:
+    from cloud.decode import MODES
+    from edgefuse.transport.wan import WanProfile
+
+    models = [str(c.model) for c in cfg.federation.clients]
+    if str(cloud.device_model) not in models:
+        raise ConfigError(f"cloud.device_model {cloud.device_model!r} is not a federation client's "
+                          f"model ({', '.join(dict.fromkeys(models))})")
+    unknown = sorted(set(map(str, cloud.modes)) - set(MODES))
+    if unknown or not cloud.modes:
+        raise ConfigError(f"cloud.modes has unknown modes {unknown or '[]'}: use {', '.join(MODES)}")
+    try:
+        WanProfile.from_name(str(cloud.wan))
+    except ValueError as e:
+        raise ConfigError(f"cloud.wan: {e}") from None
+    for key in ("cloud.devices", "cloud.eval.max_new_tokens", "cloud.eval.max_prompt_tokens",
+                "cloud.service.max_batch", "cloud.service.max_context", "cloud.decode.gamma_max",
+                "cloud.decode.fuse_topk", "cloud.decode.draft_topk"):
+        _positive_int(OmegaConf.select(cfg, key), key)
+    if int(cloud.eval.gsm8k_n) < 0 or int(cloud.eval.dolly_per_category) < 0 or \
+            int(cloud.eval.gsm8k_n) + int(cloud.eval.dolly_per_category) == 0:
+        raise ConfigError("cloud.eval needs gsm8k_n > 0 or dolly_per_category > 0 (both >= 0)")
+    if float(cloud.decode.temperature) < 0:
+        raise ConfigError(f"cloud.decode.temperature must be >= 0, got {cloud.decode.temperature}")
+    if str(cloud.decode.confidence) not in ("entropy", "margin"):
+        raise ConfigError(f"cloud.decode.confidence must be entropy or margin, got {cloud.decode.confidence!r}")
+    if not 0 <= float(cloud.decode.fusion_weight) <= 1:
+        raise ConfigError(f"cloud.decode.fusion_weight must be in [0, 1], got {cloud.decode.fusion_weight}")
 
 
 def _positive_int(value, key: str) -> None:

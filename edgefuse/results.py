@@ -28,6 +28,13 @@ results.json schema (an interface; keep stable)::
       "c2c": [{"receiver": str, "sharers": [str], "mode": "alone"|"t2t"|"c2c"|"co_c2c"|"multi",
                "n": int, "mmlu_acc": float|None, "rougeL": float|None,
                "latency_ms": float|None, "bytes_sent": float|None, ...breakdowns}],
+      "decoding": [{"mode": "edge"|"cloud"|"spec_sync"|"spec_async"|"fusion_static"|
+                    "fusion_adaptive", "rtt_ms": float, "devices": int, "tokens_per_s": float,
+                    "round_trips_per_token": float, "bytes_down_per_token": float,
+                    "bytes_up_per_token": float, "acceptance_rate": float|None,
+                    "identical_to_target": bool|None, "agreement_with_target": float|None,
+                    "gsm8k_exact_match": float|None, "rouge_l": float|None, ...}],
+      "decoding_records": [{"qid", "mode", "device", "tokens", "text", ...per generation}],
       "summary": {...free-form...},
       "status": "running"|"completed"|"failed"|"stopped",
       "error": str|None
@@ -70,6 +77,8 @@ EVAL_PNG_NAME = "eval_loss.png"
 BYTES_PNG_NAME = "bytes.png"
 C2C_PNG_NAME = "c2c.png"
 C2C_CSV_NAME = "c2c.csv"
+DECODING_PNG_NAME = "decoding.png"
+DECODING_CSV_NAME = "decoding.csv"
 C2C_COLUMNS = ("receiver", "sharers", "mode", "n", "mmlu_acc", "rougeL", "latency_ms",
                "latency_ms_mmlu", "latency_ms_dolly", "exchange_ms", "prefill_ms", "fuse_ms",
                "decode_ms", "bytes_sent", "error")
@@ -425,6 +434,65 @@ def c2c_table(results: Mapping) -> Table:
     return table
 
 
+def decoding_csv_text(results: Mapping) -> str:
+    """CSV of the ``decoding`` rows (columns of :data:`cloud.evaluate.ROW_FIELDS`)."""
+    from cloud.evaluate import ROW_FIELDS
+
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=ROW_FIELDS, extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    for row in results.get("decoding", []):
+        w.writerow({k: _csv_cell(row.get(k)) for k in ROW_FIELDS})
+    return buf.getvalue()
+
+
+def plot_decoding(results: Mapping, path: str | os.PathLike) -> Path:
+    """Four panels over the decoding modes: tokens/s, round trips per token, bytes per
+    token each way (log scale), and agreement with the cloud-only output."""
+    rows = list(results.get("decoding", []))
+    fig = _new_figure(figsize=(14, 3.4))
+    if not rows:
+        _no_data(fig.add_subplot(1, 1, 1), "decoding rows")
+        return _save_png(fig, path)
+    labels = [r["mode"] for r in rows]
+    x = range(len(rows))
+    colours = [_colour(i, len(rows)) for i in x]
+    panels = (("tokens_per_s", "tokens/s per device"), ("round_trips_per_token", "round trips per token"),
+              (None, "bytes per token (up / down)"), ("agreement_with_target", "agreement with cloud-only"))
+    for j, (key, title) in enumerate(panels):
+        ax = fig.add_subplot(1, 4, j + 1)
+        if key is None:
+            up = [_finite(r.get("bytes_up_per_token")) or 0.0 for r in rows]
+            down = [_finite(r.get("bytes_down_per_token")) or 0.0 for r in rows]
+            ax.bar([i - 0.2 for i in x], up, width=0.4, label="up")
+            ax.bar([i + 0.2 for i in x], down, width=0.4, label="down")
+            if any(v > 0 for v in up + down):
+                ax.set_yscale("log")
+            ax.legend(fontsize="small")
+        else:
+            ax.bar(list(x), [_finite(r.get(key)) or 0.0 for r in rows], color=colours)
+        ax.set_xticks(list(x), labels, rotation=30, ha="right", fontsize=7)
+        ax.set_title(title, fontsize=9)
+    rtt = rows[0].get("rtt_ms")
+    fig.suptitle(f"cloud decoding: {rows[0].get('devices')} sessions, emulated RTT {rtt} ms", fontsize=10)
+    return _save_png(fig, path)
+
+
+def decoding_table(results: Mapping) -> Table:
+    """Rich table of the ``decoding`` rows."""
+    table = Table(title="Decoding with the cloud LLM (per generated token)")
+    cols = (("mode", "mode", None), ("tok/s", "tokens_per_s", ".2f"), ("ms/tok", "ms_per_token", ".0f"),
+            ("RT/tok", "round_trips_per_token", ".2f"), ("B up", "bytes_up_per_token", ".0f"),
+            ("B down", "bytes_down_per_token", ".0f"), ("accept", "acceptance_rate", ".2f"),
+            ("agree", "agreement_with_target", ".2f"), ("GSM8K EM", "gsm8k_exact_match", ".2f"),
+            ("ROUGE-L", "rouge_l", ".3f"), ("fallbacks", "fallbacks", ".0f"))
+    for name, _, _ in cols:
+        table.add_column(name, justify="left" if name == "mode" else "right")
+    for r in results.get("decoding", []):
+        table.add_row(*[str(r[k]) if f is None else _fmt(r.get(k), f) for _, k, f in cols])
+    return table
+
+
 def write_json_csv(out_dir: str | os.PathLike, results: Mapping) -> dict[str, Path]:
     """Write results.json and results.csv into ``out_dir``; returns ``{"json", "csv"}`` paths."""
     out_dir = Path(out_dir)
@@ -434,6 +502,8 @@ def write_json_csv(out_dir: str | os.PathLike, results: Mapping) -> dict[str, Pa
     }
     if results.get("c2c"):
         paths["c2c_csv"] = atomic_write_text(out_dir / C2C_CSV_NAME, c2c_csv_text(results))
+    if results.get("decoding"):
+        paths["decoding_csv"] = atomic_write_text(out_dir / DECODING_CSV_NAME, decoding_csv_text(results))
     return paths
 
 
@@ -449,6 +519,8 @@ def write_outputs(out_dir: str | os.PathLike, results: Mapping) -> dict[str, Pat
     plots = [("eval_png", EVAL_PNG_NAME, plot_eval_loss), ("bytes_png", BYTES_PNG_NAME, plot_bytes)]
     if results.get("c2c"):
         plots.append(("c2c_png", C2C_PNG_NAME, plot_c2c))
+    if results.get("decoding"):
+        plots.append(("decoding_png", DECODING_PNG_NAME, plot_decoding))
     for key, name, fn in plots:
         try:
             paths[key] = fn(results, out_dir / name)
@@ -513,6 +585,14 @@ class RunRecorder:
     def set_c2c(self, rows: list[Mapping]) -> None:
         """Record the Cache-to-Cache evaluation rows (schema above)."""
         self.results["c2c"] = copy.deepcopy(list(rows))
+
+    def set_decoding(self, phase: Mapping) -> None:
+        """Record the decoding phase: ``phase["rows"]`` (schema above), its per-generation
+        ``records`` and the ``service`` facts (into the summary as ``cloud_service``)."""
+        self.results["decoding"] = copy.deepcopy(list(phase.get("rows", [])))
+        self.results["decoding_records"] = copy.deepcopy(list(phase.get("records", [])))
+        if phase.get("service"):
+            self.results["summary"]["cloud_service"] = copy.deepcopy(dict(phase["service"]))
 
     def set_summary(self, summary: Mapping) -> None:
         """Merge ``summary`` into the free-form summary (later keys win)."""
@@ -612,6 +692,8 @@ def print_summary(results: Mapping, console: Console | None = None, out_dir: str
     console.print(console_table(results))
     if results.get("c2c"):
         console.print(c2c_table(results))
+    if results.get("decoding"):
+        console.print(decoding_table(results))
     if results.get("error"):
         console.print(Text.assemble(("error: ", "red"), str(results["error"])))
     out_dir = out_dir if out_dir is not None else (results.get("summary") or {}).get("out_dir")

@@ -37,7 +37,9 @@ LETTERS = ("A", "B", "C", "D")
 MMLU_HUB_ID = "cais/mmlu"
 MMLU_SPLITS = ("dev", "test")
 _MMLU_COLUMNS = ("question", "choice0", "choice1", "choice2", "choice3", "answer")
-_KINDS = ("mmlu", "dolly")
+_KINDS = ("mmlu", "dolly", "gsm8k")
+GSM8K_HUB_ID = "openai/gsm8k"
+GSM8K_INSTRUCTION = "Solve the problem. End with the final answer as: #### <number>"
 HINT_HEADER = "A peer assistant answered:"
 
 # Loaded MMLU tables, keyed by (source, split, subjects): one load per process.
@@ -217,6 +219,55 @@ def load_mmlu(mirror: str | Path | None, n: int, seed: int, split: str = "test",
                                  reference=None, category=s))
         rank += 1
     return out
+
+
+def gsm8k_final(text: str) -> str | None:
+    """The final number of a GSM8K answer or a model's output: the number after the last
+    ``####`` if there is one, else the last number in the text; commas, ``$`` and a
+    trailing ``.0`` removed (``"1,234.0"`` → ``"1234"``). ``None`` when there is no number."""
+    import re
+
+    tail = text.rsplit("####", 1)[1] if "####" in text else text
+    nums = re.findall(r"-?\$?\d[\d,]*(?:\.\d+)?", tail)
+    if not nums:
+        return None
+    num = nums[0 if "####" in text else -1].replace(",", "").replace("$", "")
+    if "." in num:
+        num = num.rstrip("0").rstrip(".")
+    return num
+
+
+def load_gsm8k(mirror: str | Path | None, n: int, seed: int, split: str = "test") -> list[Query]:
+    """``n`` GSM8K questions drawn by ``seed`` (without replacement) from ``split``.
+
+    Reads ``<mirror>/gsm8k/<split>.jsonl`` with ``datasets``; ``mirror=None`` loads the hub
+    dataset ``openai/gsm8k`` (config ``main``). The instruction is the question plus
+    :data:`GSM8K_INSTRUCTION`; ``reference`` is the gold final number (:func:`gsm8k_final`).
+
+    Raises:
+        ValueError: ``n < 1`` or more than the split holds.
+        FileNotFoundError: the mirror has no ``gsm8k/<split>.jsonl`` (names ``data.mirror``).
+    """
+    import datasets
+
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if mirror is None:
+        ds = datasets.load_dataset(GSM8K_HUB_ID, "main", split=split)
+    else:
+        path = _resolve_dir(mirror) / "gsm8k" / f"{split}.jsonl"
+        if not path.is_file():
+            raise FileNotFoundError(f"no GSM8K file {path} (mirror={str(mirror)!r}). Point data.mirror "
+                                    "at the data mirror (e.g. ../shared/data), or set it to null "
+                                    f"to download {GSM8K_HUB_ID!r} from the hub.")
+        ds = datasets.load_dataset("json", data_files=str(path), split="train")
+    if n > len(ds):
+        raise ValueError(f"asked for {n} GSM8K questions, split {split!r} has {len(ds)}")
+    rows = np.random.default_rng(seed).permutation(len(ds))[:n]
+    return [Query(qid=f"gsm8k/{split}/{int(i)}", kind="gsm8k",
+                  instruction=f"{ds[int(i)]['question'].strip()}\n{GSM8K_INSTRUCTION}", context="",
+                  choices=None, answer=None, reference=gsm8k_final(ds[int(i)]["answer"]),
+                  category="gsm8k") for i in rows]
 
 
 def dolly_eval_queries(data_cfg, seed: int, per_category: int, skip: int) -> list[Query]:

@@ -22,6 +22,7 @@ from edgefuse.config import compose, lora_targets
 from edgefuse.lora import save_peft_adapter
 from edgefuse.models import get_spec
 from edgefuse.results import RunRecorder, print_summary
+from server_app import decoding
 from server_app.strategy import GroupedLoRA
 
 app = ServerApp()
@@ -79,6 +80,9 @@ def main(grid: Grid, context: Context) -> None:
     t_run = time.perf_counter()
     try:
         phase = _c2c_phase(cfg, grid, strategy, out, timeout)
+        cloud_on = bool(cfg.get("cloud") and cfg.cloud.enabled)
+        if cloud_on:
+            decoding.check_pair(cfg)  # refuse a pair without a shared tokenizer before any round
         node_ids = wait_for_nodes(grid, len(fed.clients), timeout)
         for r in range(1, int(fed.num_rounds) + 1):
             t0 = time.perf_counter()
@@ -115,6 +119,12 @@ def main(grid: Grid, context: Context) -> None:
                 t4 = time.perf_counter()
                 recorder.set_c2c(phase.evaluate(r))
                 seconds["c2c_eval"] = time.perf_counter() - t4
+            if cloud_on and r == int(fed.num_rounds):
+                recorder.add_round(record)
+                recorder.save()
+                t5 = time.perf_counter()
+                recorder.set_decoding(decoding.run(cfg, grid, strategy, out, timeout, r))
+                seconds["decoding"] = time.perf_counter() - t5
             seconds["total"] = time.perf_counter() - t0
             recorder.add_round(record)
             recorder.save()

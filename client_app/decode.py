@@ -1,0 +1,61 @@
+"""Device side of cloud collaboration: decode the server's prompts through the cloud service.
+
+The device opens its own encrypted link(s) to the service named in the message
+(:mod:`cloud.link`); its model keeps the LoRA adapter the message carried, which never
+leaves the device. ``cloud.devices`` sessions run at once, sharing this model's weights.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+
+from cloud.decode import DecodeConfig
+from cloud.evaluate import run_devices
+from cloud.fusion import FusionConfig
+from cloud.target import tokenizer_fingerprint
+from edgefuse.transport.wan import WanProfile
+from fusers.queries import Query
+
+
+def decode_config(c) -> DecodeConfig:
+    """The :class:`DecodeConfig` of the ``cloud`` config group."""
+    d = c.decode
+    return DecodeConfig(
+        max_new_tokens=int(c.eval.max_new_tokens), temperature=float(d.temperature),
+        top_k=int(d.top_k), seed=0, gamma=None if d.gamma is None else int(d.gamma),
+        gamma_max=int(d.gamma_max), draft_topk=int(d.draft_topk), fuse_topk=int(d.fuse_topk),
+        fusion=FusionConfig(weight=float(d.fusion_weight), confidence=str(d.confidence)),
+        deadline_ms=float(d.deadline_ms), timeout_s=float(d.timeout_s))
+
+
+def draft_head(model, tok, cfg):
+    """The frequency-pruned draft head of ``cloud.decode.draft_head`` tokens, or None."""
+    n = int(cfg.cloud.decode.get("draft_head", 0) or 0)
+    if n <= 0:
+        return None
+    from cloud.draft import DraftHead, public_token_ids
+
+    return DraftHead(model, public_token_ids(tok, cfg, n))
+
+
+def decode(msg: Message, context: Context, client) -> RecordDict:
+    """Run every ``cloud.modes`` mode on the message's queries; reply with the records."""
+    cfg = client.cfg
+    c = cfg.cloud
+    conf = msg.content["cloud"]
+    queries = [Query.from_dict(q) for q in json.loads(str(conf["queries"]))]
+    model, tok = client.slot["peft"], client.slot["tok"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(int(c.threads))
+    try:
+        records, wall = run_devices(
+            model, tok, queries, list(c.modes), decode_config(c), str(conf["host"]), int(conf["port"]),
+            WanProfile.from_name(str(c.wan)), int(c.devices), tokenizer_fingerprint(tok),
+            max_prompt_tokens=int(c.eval.max_prompt_tokens), head=draft_head(model, tok, cfg))
+    finally:
+        torch.set_num_threads(threads)
+    return RecordDict({"decoding": ConfigRecord({"records": json.dumps([r.to_dict() for r in records]),
+                                                 "wall": json.dumps(wall)})})
