@@ -13,7 +13,7 @@ import torch
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 
 from cloud.decode import DecodeConfig
-from cloud.evaluate import run_devices
+from cloud.evaluate import pruned_head, run_devices
 from cloud.fusion import FusionConfig
 from cloud.target import tokenizer_fingerprint
 from edgefuse.transport.wan import WanProfile
@@ -31,16 +31,6 @@ def decode_config(c) -> DecodeConfig:
         deadline_ms=float(d.deadline_ms), timeout_s=float(d.timeout_s))
 
 
-def draft_head(model, tok, cfg):
-    """The frequency-pruned draft head of ``cloud.decode.draft_head`` tokens, or None."""
-    n = int(cfg.cloud.decode.get("draft_head", 0) or 0)
-    if n <= 0:
-        return None
-    from cloud.draft import DraftHead, public_token_ids
-
-    return DraftHead(model, public_token_ids(tok, cfg, n))
-
-
 def decode(msg: Message, context: Context, client) -> RecordDict:
     """Run every ``cloud.modes`` mode on the message's queries; reply with the records."""
     cfg = client.cfg
@@ -54,7 +44,8 @@ def decode(msg: Message, context: Context, client) -> RecordDict:
         records, wall = run_devices(
             model, tok, queries, list(c.modes), decode_config(c), str(conf["host"]), int(conf["port"]),
             WanProfile.from_name(str(c.wan)), int(c.devices), tokenizer_fingerprint(tok),
-            max_prompt_tokens=int(c.eval.max_prompt_tokens), head=draft_head(model, tok, cfg))
+            max_prompt_tokens=int(c.eval.max_prompt_tokens), head=pruned_head(model, tok, cfg.data, int(cfg.seed),
+                                                      int(c.decode.draft_head), cfg.paths.cache_dir))
     finally:
         torch.set_num_threads(threads)
     return RecordDict({"decoding": ConfigRecord({"records": json.dumps([r.to_dict() for r in records]),

@@ -34,6 +34,31 @@ def prompt_ids(query: Query, tok, max_prompt_tokens: int) -> list[int]:
     return prefill + [last]
 
 
+def public_corpus(data_cfg, seed: int, tok, max_rows: int = 2000) -> list[str]:
+    """Chat-templated prompt + response texts of the first ``max_rows`` public Dolly rows
+    (rows no client holds; the evaluation rows come after the C2C fuser rows, and GSM8K is
+    not in it): the corpus of the frequency-pruned draft head."""
+    from edgefuse.data import format_example, public_split
+
+    ds = public_split(data_cfg, seed)
+    return ["".join(format_example(ds[i], tok)) for i in range(min(max_rows, len(ds)))]
+
+
+def pruned_head(model, tok, data_cfg, seed: int, n: int, cache_dir=None):
+    """A :class:`cloud.draft.DraftHead` keeping the ``n`` most frequent public-corpus tokens
+    (cached as JSON under ``<cache_dir>/draft_heads``), or None for ``n <= 0``."""
+    if n <= 0:
+        return None
+    from edgefuse.models import cache_dir as model_cache
+
+    from .draft import DraftHead, frequent_token_ids
+    from .target import tokenizer_fingerprint
+
+    path = model_cache(cache_dir) / "draft_heads" / f"{tokenizer_fingerprint(tok)}-{n}.json"
+    ids = frequent_token_ids(tok, public_corpus(data_cfg, seed, tok), n, cache_path=path)
+    return DraftHead(model, ids)
+
+
 @dataclass
 class Record:
     """One (prompt, mode) generation by one device."""

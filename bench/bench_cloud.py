@@ -1,0 +1,226 @@
+"""Benchmark edge–cloud collaborative decoding: every mode side by side, RTT and tenancy sweeps.
+
+Starts the cloud LLM service (``edgefuse cloud serve``, its own process) with the target
+(Qwen2.5-Coder-1.5B), loads the edge draft (Qwen2.5-Coder-0.5B) here, and decodes the same
+prompts (GSM8K test + held-out public Dolly) through real sockets and the encrypted link:
+
+1. every mode (edge, cloud, spec_sync, spec_async, fusion_static, fusion_adaptive) with one
+   device at emulated RTT 20 ms and 80 ms (100 Mbps);
+2. the speculative mode (``--scale-mode``) and cloud-only with 1, 2, 4 and 8 concurrent
+   devices at 80 ms: simulated devices share this process's draft model (memory allows one),
+   what counts is concurrent sessions at the service, which batches their verifications.
+
+Then it checks the issue's targets: round trips per token <= 0.3 (speculative), downlink
+<= 1 KB per token (all link modes), async >= 1.25x sync at 80 ms, speculative >= 1.3x
+cloud-only tokens/s at 80 ms with identical output, and 8-device aggregate >= 3x one device.
+
+    python bench/bench_cloud.py                 # ~20 min here
+    python bench/bench_cloud.py --quick         # 2 prompts, 16 tokens, devices 1 and 2
+
+Both processes run torch with one thread (``--threads``): the device and the cloud are
+emulated as one core each of this 2-core machine. Writes ``bench/results/bench_cloud.json``
+(``modes`` rows as in the main job's ``decoding``) and a PNG beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from cloud.decode import MODES, DecodeConfig  # noqa: E402
+from cloud.evaluate import pruned_head, run_devices, summarize, table  # noqa: E402
+from cloud.service import start_service_process, stop_service_process  # noqa: E402
+from cloud.target import tokenizer_fingerprint  # noqa: E402
+from edgefuse.config import compose  # noqa: E402
+from edgefuse.models import load_model, load_tokenizer  # noqa: E402
+from edgefuse.results import atomic_write_json  # noqa: E402
+from edgefuse.transport.wan import WanProfile  # noqa: E402
+from fusers.queries import dolly_eval_queries, load_gsm8k  # noqa: E402
+
+TARGETS = {
+    "round_trips_per_token_max": 0.3,
+    "bytes_down_per_token_max": 1000.0,
+    "async_over_sync_min": 1.25,
+    "spec_over_cloud_min": 1.3,
+    "aggregate_8_over_1_min": 3.0,
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--edge-model", default="qwen2.5-coder-0.5b")
+    p.add_argument("--target-model", default="qwen2.5-coder-1.5b")
+    p.add_argument("--rtts", type=float, nargs="+", default=[20.0, 80.0], help="emulated RTTs (ms)")
+    p.add_argument("--bandwidth-mbps", type=float, default=100.0)
+    p.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--scale-mode", default="spec_async", choices=MODES)
+    p.add_argument("--gsm8k", type=int, default=2, help="GSM8K test prompts")
+    p.add_argument("--dolly", type=int, default=1, help="held-out Dolly prompts per category (8 categories)")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--gamma", type=int, default=None, help="fixed γ (default: adaptive)")
+    p.add_argument("--draft-head", type=int, default=0, help="frequency-pruned draft head size (0 = full)")
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--max-wait-ms", type=float, default=5.0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "bench_cloud.json"))
+    args = p.parse_args(argv)
+    if args.quick:
+        args.gsm8k, args.dolly, args.max_new_tokens, args.devices = 1, 0, 16, [1, 2]
+    return args
+
+
+def _row(rows, mode, rtt, devices):
+    for r in rows:
+        if r["mode"] == mode and r["rtt_ms"] == rtt and r["devices"] == devices:
+            return r
+    return None
+
+
+def check_targets(rows: list[dict], rtts: list[float], devices: list[int], scale_mode: str) -> dict:
+    """The issue's targets, each ``{"value", "target", "met"}`` (``met`` None if not measured)."""
+    hi = max(rtts)
+    out = {}
+
+    def put(name, value, target, ok):
+        out[name] = {"value": value, "target": target, "met": None if value is None else bool(ok(value))}
+
+    specs = [r for r in rows if r["mode"] in ("spec_sync", "spec_async") and r["devices"] == 1]
+    put("round_trips_per_token", min((r["round_trips_per_token"] for r in specs), default=None),
+        TARGETS["round_trips_per_token_max"], lambda v: v <= TARGETS["round_trips_per_token_max"])
+    links = [r for r in rows if r["mode"] != "edge"]
+    put("bytes_down_per_token_worst", max((r["bytes_down_per_token"] for r in links), default=None),
+        TARGETS["bytes_down_per_token_max"], lambda v: v <= TARGETS["bytes_down_per_token_max"])
+    a, s, c = (_row(rows, m, hi, 1) for m in ("spec_async", "spec_sync", "cloud"))
+    put(f"async_over_sync_at_{hi:g}ms", a["tokens_per_s"] / s["tokens_per_s"] if a and s else None,
+        TARGETS["async_over_sync_min"], lambda v: v >= TARGETS["async_over_sync_min"])
+    best = max((r for r in (a, s) if r), key=lambda r: r["tokens_per_s"], default=None)
+    put(f"spec_over_cloud_at_{hi:g}ms", best["tokens_per_s"] / c["tokens_per_s"] if best and c else None,
+        TARGETS["spec_over_cloud_min"], lambda v: v >= TARGETS["spec_over_cloud_min"])
+    out["spec_identical_to_target"] = {"value": all(r.get("identical_to_target") for r in specs) if specs else None,
+                                       "target": True, "met": all(r.get("identical_to_target") for r in specs) if specs else None}
+    one, many = _row(rows, scale_mode, hi, 1), _row(rows, scale_mode, hi, max(devices))
+    put(f"aggregate_{max(devices)}_over_1", (many["aggregate_tokens_per_s"] / one["aggregate_tokens_per_s"])
+        if one and many and max(devices) > 1 else None,
+        TARGETS["aggregate_8_over_1_min"], lambda v: v >= TARGETS["aggregate_8_over_1_min"])
+    return out
+
+
+def plot(result: dict, path: Path) -> Path:
+    from edgefuse.results import _colour, _new_figure, _save_png
+
+    rows = result["modes"]
+    rtts = sorted({r["rtt_ms"] for r in rows if r["devices"] == 1})
+    modes = [m for m in MODES if any(r["mode"] == m for r in rows)]
+    fig = _new_figure(figsize=(16, 3.8))
+    panels = (("tokens_per_s", "tokens/s (1 device)"), ("round_trips_per_token", "round trips / token"),
+              ("bytes_down_per_token", "downlink bytes / token"))
+    width = 0.8 / max(len(rtts), 1)
+    for j, (key, title) in enumerate(panels):
+        ax = fig.add_subplot(1, 4, j + 1)
+        for k, rtt in enumerate(rtts):
+            vals = [(_row(rows, m, rtt, 1) or {}).get(key) or 0.0 for m in modes]
+            ax.bar([i + (k - (len(rtts) - 1) / 2) * width for i in range(len(modes))], vals, width=width,
+                   label=f"RTT {rtt:g} ms", color=_colour(k, len(rtts) + 1))
+        ax.set_xticks(range(len(modes)), modes, rotation=30, ha="right", fontsize=7)
+        ax.set_title(title, fontsize=9)
+        if key == "bytes_down_per_token":
+            ax.axhline(TARGETS["bytes_down_per_token_max"], ls="--", c="grey", lw=0.8)
+            ax.set_yscale("log")
+        if key == "round_trips_per_token":
+            ax.axhline(TARGETS["round_trips_per_token_max"], ls="--", c="grey", lw=0.8)
+        ax.legend(fontsize="x-small")
+    ax = fig.add_subplot(1, 4, 4)
+    hi = max(r["rtt_ms"] for r in rows)
+    for k, m in enumerate(sorted({r["mode"] for r in rows if r["devices"] > 1})):
+        pts = sorted((r["devices"], r["aggregate_tokens_per_s"]) for r in rows if r["mode"] == m and r["rtt_ms"] == hi)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m, color=_colour(k, 3))
+    ax.set_xlabel("concurrent devices")
+    ax.set_title(f"aggregate tokens/s at {hi:g} ms", fontsize=9)
+    ax.legend(fontsize="x-small")
+    fig.suptitle(f"{result['edge_model']} drafts, {result['target_model']} verifies "
+                 f"(torch threads {result['threads']} each)", fontsize=10)
+    return _save_png(fig, path)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    cfg = compose("default")
+    queries = []
+    if args.gsm8k:
+        queries += load_gsm8k(cfg.data.mirror, args.gsm8k, int(cfg.seed))
+    if args.dolly:
+        queries += dolly_eval_queries(cfg.data, int(cfg.seed), args.dolly, skip=int(cfg.c2c.train.examples) + 8)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log_path = out.with_name(out.stem + "_service.log")
+    t_start = time.perf_counter()
+    proc, port = start_service_process(args.target_model, max_batch=args.max_batch,
+                                       max_wait_ms=args.max_wait_ms, threads=args.threads,
+                                       log_path=log_path, timeout_s=900)
+    rows, records_all = [], []
+    try:
+        tok = load_tokenizer(args.edge_model)
+        model = load_model(args.edge_model)
+        head = pruned_head(model, tok, cfg.data, int(cfg.seed), args.draft_head)
+        fp = tokenizer_fingerprint(tok)
+        dcfg = DecodeConfig(max_new_tokens=args.max_new_tokens, gamma=args.gamma, timeout_s=600)
+
+        def progress(mode, done, total):
+            print(f"  {mode:<16} {done}/{total}", end="\r", flush=True)
+
+        def sweep(modes, rtt, devices, qs):
+            wan = WanProfile(rtt_ms=rtt, bandwidth_mbps=args.bandwidth_mbps)
+            recs, wall = run_devices(model, tok, qs, modes, dcfg, "127.0.0.1", port, wan, devices, fp,
+                                     head=head, progress=progress)
+            got = summarize(recs, wall, tok, rtt, devices, greedy=True)
+            print(f"\nRTT {rtt:g} ms, {devices} device(s):\n{table(got)}", flush=True)
+            rows.extend(got)
+            records_all.extend({**r.to_dict(), "rtt_ms": rtt, "devices": devices} for r in recs)
+
+        for rtt in args.rtts:
+            sweep(list(args.modes), rtt, 1, queries)
+        hi = max(args.rtts)
+        for d in args.devices:
+            if d == 1:
+                continue
+            # every device decodes the same number of prompts as the 1-device run had
+            qs = [queries[i % len(queries)] for i in range(len(queries) * d)]
+            sweep(["cloud", args.scale_mode], hi, d, qs)
+    finally:
+        stop_service_process(proc)
+    targets = check_targets(rows, args.rtts, args.devices, args.scale_mode)
+    result = {
+        "edge_model": args.edge_model, "target_model": args.target_model, "threads": args.threads,
+        "prompts": [q.qid for q in queries], "max_new_tokens": args.max_new_tokens,
+        "gamma": args.gamma, "draft_head": args.draft_head, "bandwidth_mbps": args.bandwidth_mbps,
+        "max_batch": args.max_batch, "max_wait_ms": args.max_wait_ms,
+        "modes": rows, "targets": targets, "records": records_all,
+        "wall_seconds": time.perf_counter() - t_start,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                    "ram_gb": psutil.virtual_memory().total / 2**30, "torch": torch.__version__},
+        "command": "python bench/bench_cloud.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    }
+    atomic_write_json(out, result)
+    png = plot(result, out.with_suffix(".png"))
+    print("\ntargets:")
+    for k, v in targets.items():
+        print(f"  {k:<32} {v['value']!s:<24} target {v['target']!s:<8} {'met' if v['met'] else 'MISSED' if v['met'] is False else '-'}")
+    print(f"wrote {out} and {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
