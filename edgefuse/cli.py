@@ -5,6 +5,8 @@
     edgefuse fusers list REGISTRY_DIR     fuser versions in a registry (e.g. <run>/fusers)
     edgefuse run [HYDRA OVERRIDES ...]    the main job: a Flower simulation (`flwr run`)
     edgefuse run --multirun training.lr=1e-4,3e-4   a Hydra sweep, one output folder per job
+    edgefuse cloud serve --model NAME [--port 39200 ...]   the cloud LLM service (until SIGINT/SIGTERM)
+    edgefuse cloud health [--host H --port P]              a running service's status (JSON)
 """
 
 from __future__ import annotations
@@ -91,6 +93,56 @@ def _fusers(argv: list[str]) -> int:
     return 0
 
 
+def _cloud(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="edgefuse cloud")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="serve a target LLM to devices (framed TCP, see cloud.service)")
+    s.add_argument("--model", required=True, help="a registered model name (edgefuse models list)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=39200, help="TCP port, 0 = any free one (default 39200)")
+    s.add_argument("--max-batch", type=int, default=8, help="jobs per forward pass, at most (default 8)")
+    s.add_argument("--max-wait-ms", type=float, default=5.0,
+                   help="ms the batcher waits to fill a batch after its first job (default 5)")
+    s.add_argument("--max-sessions", type=int, default=64,
+                   help="sessions open at once; more get ERROR busy (default 64)")
+    s.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    s.add_argument("--max-context", type=int, default=2048, help="tokens per session, at most (default 2048)")
+    s.add_argument("--port-file", default=None, help="write the bound port here once listening")
+    s.add_argument("--log-level", default="INFO", help="logging level on stderr (default INFO)")
+    h = sub.add_parser("health", help="print a running service's status as JSON")
+    h.add_argument("--host", default="127.0.0.1")
+    h.add_argument("--port", type=int, default=39200)
+    h.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
+    args = parser.parse_args(argv)
+    if args.cmd == "health":
+        import json
+
+        from cloud.link import CloudUnavailable, cloud_health
+
+        try:
+            status = cloud_health(args.host, args.port, args.timeout)
+        except CloudUnavailable as e:
+            print(f"edgefuse: {e}", file=sys.stderr)
+            return 1
+        print(json.dumps(status, indent=2, sort_keys=True))
+        return 0
+    import logging
+
+    from cloud.service import serve
+    from edgefuse.models import ModelFetchError, ModelSpecError
+
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        serve(args.model, args.host, args.port, max_batch=args.max_batch,
+              max_wait_ms=args.max_wait_ms, max_sessions=args.max_sessions, threads=args.threads,
+              max_context=args.max_context, port_file=args.port_file)
+    except (ModelSpecError, ModelFetchError, ValueError, OSError) as e:
+        print(f"edgefuse: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``edgefuse`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -101,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         return _models(argv[1:])
     if argv[0] == "fusers":
         return _fusers(argv[1:])
+    if argv[0] == "cloud":
+        return _cloud(argv[1:])
     if argv[0] == "run":
         from edgefuse.launch import hydra_main
 
