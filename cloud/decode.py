@@ -281,8 +281,7 @@ class Decoder:
         self.edge.start(prompt)
         if mode != "edge":
             try:
-                self.link.open(prompt, self.fingerprint, temperature=cfg.temperature,
-                               top_k=cfg.top_k, seed=cfg.seed, max_new=cfg.max_new_tokens + P.MAX_GAMMA)
+                self._open(prompt, cfg)
             except (ConnectionError, TimeoutError, OSError) as exc:
                 res.fallback = f"cloud unavailable at the start ({exc}); edge only"
                 mode = "edge"
@@ -304,10 +303,23 @@ class Decoder:
                 self._fusion(prompt, cfg, fcfg, gen, res)
         finally:
             res.decode_s = time.perf_counter() - t1
+            if mode != "edge" and res.fallback is None:
+                self.link.send(P.Close())  # frees the cloud's cache; the connection stays
             c2 = self._counters()
             res.bytes_up, res.bytes_down, res.round_trips = (c2[i] - c1[i] for i in range(3))
         res.text = self.edge.tok.decode(res.tokens, skip_special_tokens=True)
         return res
+
+    def _open(self, prompt: list[int], cfg: DecodeConfig) -> None:
+        """Start a session on the link; answers to the previous session still in flight (a
+        late fusion top-k) are skipped. Raises ``RemoteError`` if the cloud refuses."""
+        self.link.send(P.Open(prompt, self.fingerprint, cfg.temperature, cfg.top_k, cfg.seed,
+                              cfg.max_new_tokens + P.MAX_GAMMA))
+        deadline = time.perf_counter() + cfg.timeout_s
+        while True:
+            msg = self.link.recv(timeout_s=max(deadline - time.perf_counter(), 0.0))
+            if isinstance(msg, P.Opened):
+                return
 
     def _counters(self) -> tuple[int, int, int]:
         link = self.link
