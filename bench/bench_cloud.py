@@ -42,7 +42,7 @@ from cloud.evaluate import pruned_head, run_devices, summarize, table  # noqa: E
 from cloud.service import start_service_process, stop_service_process  # noqa: E402
 from cloud.target import tokenizer_fingerprint  # noqa: E402
 from edgefuse.config import compose  # noqa: E402
-from edgefuse.models import load_model, load_tokenizer  # noqa: E402
+from edgefuse.models import load_model  # noqa: E402
 from edgefuse.results import atomic_write_json  # noqa: E402
 from edgefuse.transport.wan import WanProfile  # noqa: E402
 from fusers.queries import dolly_eval_queries, load_gsm8k  # noqa: E402
@@ -172,8 +172,7 @@ def main(argv=None) -> int:
                                        log_path=log_path, timeout_s=900)
     rows, records_all = [], []
     try:
-        tok = load_tokenizer(args.edge_model)
-        model = load_model(args.edge_model)
+        model, tok = load_model(args.edge_model)
         head = pruned_head(model, tok, cfg.data, int(cfg.seed), args.draft_head)
         fp = tokenizer_fingerprint(tok)
         dcfg = DecodeConfig(max_new_tokens=args.max_new_tokens, gamma=args.gamma, timeout_s=600)

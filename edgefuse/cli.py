@@ -7,6 +7,7 @@
     edgefuse run --multirun training.lr=1e-4,3e-4   a Hydra sweep, one output folder per job
     edgefuse cloud serve --model NAME [--port 39200 ...]   the cloud LLM service (until SIGINT/SIGTERM)
     edgefuse cloud health [--host H --port P]              a running service's status (JSON)
+    edgefuse cloud generate --mode MODE [--prompt TEXT]    complete a prompt / chat through the cloud link
 """
 
 from __future__ import annotations
@@ -113,7 +114,35 @@ def _cloud(argv: list[str]) -> int:
     h.add_argument("--host", default="127.0.0.1")
     h.add_argument("--port", type=int, default=39200)
     h.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
+    g = sub.add_parser("generate", help="complete a prompt (--prompt) or chat through the cloud link")
+    g.add_argument("--mode", default="spec_async", choices=["all", "edge", "cloud", "spec_sync", "spec_async",
+                                                            "fusion_static", "fusion_adaptive"])
+    g.add_argument("--prompt", default=None, help="one prompt; without it: an interactive chat")
+    g.add_argument("--model", default="qwen2.5-coder-0.5b", help="the edge model (default qwen2.5-coder-0.5b)")
+    g.add_argument("--adapter", default=None, help="a PEFT adapter folder (a run's adapters/round_NNN/<model>)")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=39200)
+    g.add_argument("--wan", default="none", help="emulated link: none, lan, wan20, wan80 (default none)")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--gamma", type=int, default=None, help="fixed draft length (default: adaptive)")
+    g.add_argument("--draft-head", type=int, default=0, help="frequency-pruned draft head size (0 = full)")
+    g.add_argument("--fusion-weight", type=float, default=0.5, help="edge weight of static fusion")
+    g.add_argument("--confidence", default="entropy", choices=["entropy", "margin"])
+    g.add_argument("--deadline-ms", type=float, default=1000.0, help="per fused token (ms)")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = parser.parse_args(argv)
+    if args.cmd == "generate":
+        from cloud.chat import run
+        from cloud.decode import DecodeError
+        from edgefuse.models import ModelFetchError, ModelSpecError
+
+        try:
+            return run(args)
+        except (DecodeError, ModelSpecError, ModelFetchError, FileNotFoundError, ValueError) as e:
+            print(f"edgefuse: {e}", file=sys.stderr)
+            return 2
     if args.cmd == "health":
         import json
 
