@@ -102,6 +102,7 @@ def run(cfg, grid, strategy: GroupedLoRA, out: Path, timeout: float, round_idx: 
         rec = replies[0].content["decoding"]
         raw = json.loads(str(rec["records"]))
         wall = json.loads(str(rec["wall"]))
+        health = _health(str(c.host), int(port))
     finally:
         code = stop_service_process(proc)
         if code not in (0, None):
@@ -114,7 +115,21 @@ def run(cfg, grid, strategy: GroupedLoRA, out: Path, timeout: float, round_idx: 
                      greedy=float(c.decode.temperature) == 0)
     log(INFO, "cloud decoding (%s, %d sessions):\n%s", c.wan, int(c.devices), table(rows))
     return {"rows": rows, "records": raw,
-            "service": {"model": str(c.model), "start_seconds": started, "port": int(port)}}
+            "service": {"model": str(c.model), "start_seconds": started, "port": int(port),
+                        **{k: health.get(k) for k in ("sessions_total", "batches", "jobs",
+                                                      "mean_batch_size", "max_batch_size",
+                                                      "frames_rejected", "bytes_in", "bytes_out")}}}
+
+
+def _health(host: str, port: int) -> dict:
+    """The service's counters (batching, sessions, bytes), ``{}`` if it does not answer."""
+    from cloud.link import CloudUnavailable, cloud_health
+
+    try:
+        return cloud_health(host, port, timeout_s=10.0)
+    except (CloudUnavailable, OSError, ValueError) as e:
+        log(WARNING, "cloud: no health answer before shutdown: %s", e)
+        return {}
 
 
 def _result(r: dict) -> DecodeResult:

@@ -94,12 +94,36 @@ def test_tiny_c2c_trains_hosts_and_applies_fusers_for_every_pair(tmp_path):
             sum(by[(m, "c2c", (s,))]["bytes_sent"] for s in multi["sharers"]))
     for name in ("c2c.csv", "c2c.png"):
         assert (out / name).stat().st_size > 0
+    _check_decoding(res, out)
+
+
+def _check_decoding(res: dict, out: Path) -> None:
+    """The same run's cloud phase: the tiny target served by its own process, the tiny-qwen2
+    client decoding 2 GSM8K + 8 Dolly prompts in every mode with two concurrent sessions."""
+    rows = {r["mode"]: r for r in res["decoding"]}
+    assert list(rows) == ["edge", "cloud", "spec_sync", "spec_async", "fusion_static", "fusion_adaptive"]
+    assert all(r["devices"] == 2 and r["prompts"] == 10 and r["fallbacks"] == 0 for r in rows.values())
+    assert rows["cloud"]["round_trips_per_token"] == 1.0 and rows["cloud"]["acceptance_rate"] is None
+    for m in ("spec_sync", "spec_async"):  # greedy speculative decoding is lossless
+        assert rows[m]["identical_to_target"] is True and rows[m]["agreement_with_target"] == 1.0
+        assert rows[m]["round_trips_per_token"] <= 1.0 and 0 <= rows[m]["acceptance_rate"] <= 1
+    for m in ("cloud", "spec_sync", "spec_async", "fusion_static", "fusion_adaptive"):
+        assert 0 < rows[m]["bytes_down_per_token"] < 1000 and rows[m]["bytes_up_per_token"] > 0
+    assert rows["edge"]["bytes_up_per_token"] == 0 and rows["edge"]["round_trips_per_token"] == 0
+    recs = res["decoding_records"]
+    assert len(recs) == 10 * 6
+    for m in rows:  # both sessions decoded in every mode...
+        assert {r["device"] for r in recs if r["mode"] == m} == {0, 1}
+    svc = res["summary"]["cloud_service"]
+    assert svc["max_batch_size"] >= 2 and svc["frames_rejected"] == 0  # ...at the same time
+    for name in ("decoding.csv", "decoding.png", "cloud_service.log"):
+        assert (out / name).stat().st_size > 0
 
 
 def test_multirun_sweep_gives_one_folder_per_job(tmp_path):
     env = dict(os.environ, EDGEFUSE_DATA_MIRROR=str(mirror_path()))
     cmd = [sys.executable, "-m", "edgefuse.cli", "run", "--multirun", f"outputs.root={tmp_path}",
-           "experiment=tiny", "federation.num_rounds=1", "c2c=disabled", "training.lr=1e-3,3e-2"]
+           "experiment=tiny", "federation.num_rounds=1", "c2c=disabled", "cloud=disabled", "training.lr=1e-3,3e-2"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     jobs = sorted(tmp_path.glob("multirun/*/*/results.json"))
@@ -138,7 +162,8 @@ def test_deployment_mode_with_real_supernode_processes(tmp_path):
     env = dict(os.environ, EDGEFUSE_OUTPUTS=str(tmp_path), EDGEFUSE_DATA_MIRROR=str(mirror_path()),
                BIN=str(Path(sys.executable).parent), PORT="19391")
     # C2C off: in deployment every message starts a fresh ClientApp process (model reload), and
-    # the tiny C2C job's ~150 evaluation messages are covered by the simulation tests.
+    # the tiny C2C job's ~150 evaluation messages are covered by the simulation tests. The
+    # cloud phase stays on: one message, then the SuperNode's ClientApp opens its own links.
     proc = subprocess.run(["bash", "scripts/deploy_local.sh", "tiny", "federation.num_rounds=1",
                            "c2c=disabled"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -149,3 +174,5 @@ def test_deployment_mode_with_real_supernode_processes(tmp_path):
     rows = res["rounds"][0]["clients"]
     assert [r["partition_id"] for r in rows] == [0, 1, 2, 3]
     assert all(r["status"] == "ok" and r["eval_loss"] < r["base_eval_loss"] for r in rows)
+    dec = {r["mode"]: r for r in res["decoding"]}
+    assert dec["spec_sync"]["identical_to_target"] is True and dec["cloud"]["round_trips_per_token"] == 1.0
