@@ -83,7 +83,8 @@ def foreign_superlink() -> str | None:
 
 
 def prefetch(cfg: DictConfig) -> None:
-    """Fetch every embedded model the federation names (clients would race otherwise).
+    """Fetch every embedded model the federation names, and the cloud's target when the
+    cloud phase is on (clients would race otherwise).
 
     Runs in a child process, so the gigabytes a GGUF conversion touches go back to the
     system before the federation starts.
@@ -93,7 +94,10 @@ def prefetch(cfg: DictConfig) -> None:
         ModelFetchError: the fetch failed (its message is printed above).
     """
     missing = []
-    for name in dict.fromkeys(str(c.model) for c in cfg.federation.clients):
+    names = [str(c.model) for c in cfg.federation.clients]
+    if cfg.get("cloud") and cfg.cloud.get("enabled"):
+        names.append(str(cfg.cloud.model))
+    for name in dict.fromkeys(names):
         spec = get_spec(name)
         if spec.embedded and not is_fetched(spec, cfg.paths.cache_dir):
             missing.append(name)
