@@ -2,7 +2,7 @@
 
 One TCP connection per device session. On the wire every message is a 4-byte big-endian
 length followed by that many bytes. The first two messages are the cleartext handshake
-(:func:`encode_hello` / :func:`encode_welcome`); every later message is an AES-GCM frame of
+(:func:`cloud.wire.encode_hello` / :func:`cloud.wire.encode_welcome`); every later message is an AES-GCM frame of
 :class:`edgefuse.transport.SecureSession` whose plaintext is one of the messages below.
 
 Plaintext layout: 1 type byte, then the body (integers big-endian, token ids int32,
@@ -276,7 +276,7 @@ def decode(data: bytes) -> Message:
             for i in range(g if kq else 0):
                 q_ids[i] = r.ids(kq)
                 q_probs[i] = np.frombuffer(r.take(2 * kq), dtype=">f2")
-            msg = Verify(req, base_len, draft, q_ids, q_probs)
+            msg = Verify(req, base_len, draft, q_ids, q_probs) if kq else Verify(req, base_len, draft)
         elif t == FUSE:
             req, base_len, m = r.unpack(_REQ)
             committed = r.ids(m).tolist()
