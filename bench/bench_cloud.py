@@ -69,7 +69,7 @@ def parse_args(argv=None):
     p.add_argument("--dolly", type=int, default=1, help="held-out Dolly prompts per category (8 categories)")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--gamma", type=int, default=None, help="fixed γ (default: adaptive)")
-    p.add_argument("--draft-head", type=int, default=0, help="frequency-pruned draft head size (0 = full)")
+    p.add_argument("--draft-head", type=int, default=32768, help="frequency-pruned draft head size (0 = full)")
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--max-wait-ms", type=float, default=5.0)
     p.add_argument("--threads", type=int, default=1)

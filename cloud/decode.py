@@ -409,20 +409,21 @@ class Decoder:
                 reply = self.link.request(msg, timeout_s=cfg.timeout_s)
             except (ConnectionError, TimeoutError, OSError, P.RemoteError) as exc:
                 return self._fallback(res, exc, cfg, gen, committed)
-            self._observe(1000 * (time.perf_counter() - t0))
+            self._observe(1000 * (time.perf_counter() - t0), ctl, len(draft))
             ctl.update(reply.accepted, len(draft))
             if self._commit(res, committed, draft, reply.accepted, reply.token, cfg):
                 return
 
-    def _observe(self, rt_ms: float) -> None:
-        """Split a measured round trip into RTT and verify time for the γ controller."""
-        self.verify_ms = 0.7 * self.verify_ms + 0.3 * max(rt_ms - self.rtt_ms, 1.0)
+    def _observe(self, rt_ms: float, ctl: GammaController, gamma: int) -> None:
+        """Split a measured round trip (ms) into the assumed RTT and the cloud's verify time,
+        normalised to one token, for the γ controller."""
+        base = ctl.verify_base_ms(max(rt_ms - self.rtt_ms, 1.0), gamma)
+        self.verify_ms = 0.7 * self.verify_ms + 0.3 * base
 
     def _speculative_async(self, prompt, cfg, gen, res) -> None:
         ctl = GammaController(cfg.gamma_min, cfg.gamma_max, fixed=cfg.gamma)
         committed = list(prompt)
         link = self.link
-        gmax = cfg.gamma if cfg.gamma else cfg.gamma_max
         # the first block: nothing to overlap with yet
         g = min(ctl.choose(self.draft_ms, self.rtt_ms, self.verify_ms), max(cfg.max_new_tokens - 1, 0))
         draft, q_ids, q_probs, _ = self._draft(g, cfg, gen)
@@ -436,6 +437,8 @@ class Decoder:
                 guess, ahead, a_ids, a_probs = None, [], [], []
                 reply = None
                 left = cfg.max_new_tokens - len(res.tokens) - len(draft)
+                # look ahead at most the γ that best fills a round trip when drafting overlaps it
+                gmax = ctl.choose(self.draft_ms, self.rtt_ms, self.verify_ms, overlap=True)
                 while reply is None:
                     if guess is None and left > 0:
                         (guess,), _, _, _ = self._draft(1, cfg, gen)
@@ -450,7 +453,7 @@ class Decoder:
                     reply = _poll(link)
                 if not isinstance(reply, P.Verified) or reply.req != msg.req:
                     raise P.ProtocolError(f"expected VERIFIED for request {msg.req}, got {reply!r}")
-                self._observe(1000 * (time.perf_counter() - sent))
+                self._observe(1000 * (time.perf_counter() - sent), ctl, len(draft))
                 ctl.update(reply.accepted, len(draft))
                 hit = reply.accepted == len(draft) and guess is not None and reply.token == guess
                 if self._commit(res, committed, draft, reply.accepted, reply.token, cfg,

@@ -291,3 +291,7 @@ def test_gamma_controller():
         c.update(0, 4)
     assert c.alpha < 0.01 and c.choose(10, 80, 50) == 1
     assert GammaController(fixed=5).choose(1, 1, 1) == 5
+    # drafting that overlaps the round trip affords longer blocks than the synchronous loop
+    c = GammaController(1, 8, alpha0=0.84)
+    assert c.choose(86, 80, 290, overlap=True) > c.choose(86, 80, 290) == 3
+    assert c.verify_base_ms(580.0, 5) == pytest.approx(290.0)
