@@ -65,6 +65,7 @@ def parse_args(argv=None):
     p.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--scale-mode", default="spec_async", choices=MODES)
+    p.add_argument("--scale-prompts", type=int, default=2, help="prompts per device in the device sweep")
     p.add_argument("--gsm8k", type=int, default=2, help="GSM8K test prompts")
     p.add_argument("--dolly", type=int, default=1, help="held-out Dolly prompts per category (8 categories)")
     p.add_argument("--max-new-tokens", type=int, default=32)
@@ -73,17 +74,19 @@ def parse_args(argv=None):
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--max-wait-ms", type=float, default=5.0)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--mirror", default=None,
+                   help="data mirror (default: $EDGEFUSE_DATA_MIRROR, else ../shared/data, else the hub)")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "bench_cloud.json"))
     args = p.parse_args(argv)
     if args.quick:
-        args.gsm8k, args.dolly, args.max_new_tokens, args.devices = 1, 0, 16, [1, 2]
+        args.gsm8k, args.dolly, args.max_new_tokens, args.devices, args.scale_prompts = 1, 0, 16, [1, 2], 1
     return args
 
 
-def _row(rows, mode, rtt, devices):
+def _row(rows, mode, rtt, devices, sweep=None):
     for r in rows:
-        if r["mode"] == mode and r["rtt_ms"] == rtt and r["devices"] == devices:
+        if r["mode"] == mode and r["rtt_ms"] == rtt and r["devices"] == devices and r.get("sweep") == sweep:
             return r
     return None
 
@@ -96,10 +99,10 @@ def check_targets(rows: list[dict], rtts: list[float], devices: list[int], scale
     def put(name, value, target, ok):
         out[name] = {"value": value, "target": target, "met": None if value is None else bool(ok(value))}
 
-    specs = [r for r in rows if r["mode"] in ("spec_sync", "spec_async") and r["devices"] == 1]
+    specs = [r for r in rows if r["mode"] in ("spec_sync", "spec_async") and r.get("sweep") is None]
     put("round_trips_per_token", min((r["round_trips_per_token"] for r in specs), default=None),
         TARGETS["round_trips_per_token_max"], lambda v: v <= TARGETS["round_trips_per_token_max"])
-    links = [r for r in rows if r["mode"] != "edge"]
+    links = [r for r in rows if r["mode"] != "edge" and r.get("sweep") is None]
     put("bytes_down_per_token_worst", max((r["bytes_down_per_token"] for r in links), default=None),
         TARGETS["bytes_down_per_token_max"], lambda v: v <= TARGETS["bytes_down_per_token_max"])
     a, s, c = (_row(rows, m, hi, 1) for m in ("spec_async", "spec_sync", "cloud"))
@@ -110,7 +113,7 @@ def check_targets(rows: list[dict], rtts: list[float], devices: list[int], scale
         TARGETS["spec_over_cloud_min"], lambda v: v >= TARGETS["spec_over_cloud_min"])
     out["spec_identical_to_target"] = {"value": all(r.get("identical_to_target") for r in specs) if specs else None,
                                        "target": True, "met": all(r.get("identical_to_target") for r in specs) if specs else None}
-    one, many = _row(rows, scale_mode, hi, 1), _row(rows, scale_mode, hi, max(devices))
+    one, many = (_row(rows, scale_mode, hi, d, "devices") for d in (1, max(devices)))
     put(f"aggregate_{max(devices)}_over_1", (many["aggregate_tokens_per_s"] / one["aggregate_tokens_per_s"])
         if one and many and max(devices) > 1 else None,
         TARGETS["aggregate_8_over_1_min"], lambda v: v >= TARGETS["aggregate_8_over_1_min"])
@@ -121,7 +124,7 @@ def plot(result: dict, path: Path) -> Path:
     from edgefuse.results import _colour, _new_figure, _save_png
 
     rows = result["modes"]
-    rtts = sorted({r["rtt_ms"] for r in rows if r["devices"] == 1})
+    rtts = sorted({r["rtt_ms"] for r in rows if r.get("sweep") is None})
     modes = [m for m in MODES if any(r["mode"] == m for r in rows)]
     fig = _new_figure(figsize=(16, 3.8))
     panels = (("tokens_per_s", "tokens/s (1 device)"), ("round_trips_per_token", "round trips / token"),
@@ -143,8 +146,9 @@ def plot(result: dict, path: Path) -> Path:
         ax.legend(fontsize="x-small")
     ax = fig.add_subplot(1, 4, 4)
     hi = max(r["rtt_ms"] for r in rows)
-    for k, m in enumerate(sorted({r["mode"] for r in rows if r["devices"] > 1})):
-        pts = sorted((r["devices"], r["aggregate_tokens_per_s"]) for r in rows if r["mode"] == m and r["rtt_ms"] == hi)
+    for k, m in enumerate(sorted({r["mode"] for r in rows if r.get("sweep") == "devices"})):
+        pts = sorted((r["devices"], r["aggregate_tokens_per_s"]) for r in rows
+                     if r["mode"] == m and r.get("sweep") == "devices")
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m, color=_colour(k, 3))
     ax.set_xlabel("concurrent devices")
     ax.set_title(f"aggregate tokens/s at {hi:g} ms", fontsize=9)
@@ -157,7 +161,9 @@ def plot(result: dict, path: Path) -> Path:
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    cfg = compose("default")
+    mirror = args.mirror or os.environ.get("EDGEFUSE_DATA_MIRROR") or (
+        str(ROOT.parent / "shared" / "data") if (ROOT.parent / "shared" / "data").is_dir() else None)
+    cfg = compose("default", [f"data.mirror={mirror}"] if mirror else [])
     queries = []
     if args.gsm8k:
         queries += load_gsm8k(cfg.data.mirror, args.gsm8k, int(cfg.seed))
@@ -192,12 +198,15 @@ def main(argv=None) -> int:
         for rtt in args.rtts:
             sweep(list(args.modes), rtt, 1, queries)
         hi = max(args.rtts)
+        scale_rows = []
         for d in args.devices:
-            if d == 1:
-                continue
-            # every device decodes the same number of prompts as the 1-device run had
-            qs = [queries[i % len(queries)] for i in range(len(queries) * d)]
+            # every device decodes --scale-prompts prompts; the 1-device point is rerun alike
+            qs = [queries[i % len(queries)] for i in range(args.scale_prompts * d)]
+            before = len(rows)
             sweep(["cloud", args.scale_mode], hi, d, qs)
+            for r in rows[before:]:
+                r["sweep"] = "devices"
+            scale_rows += rows[before:]
     finally:
         stop_service_process(proc)
     targets = check_targets(rows, args.rtts, args.devices, args.scale_mode)

@@ -1,8 +1,9 @@
 """The cloud's target LLM: per-session KV caches and batched verify / top-k steps.
 
 A :class:`TargetSession` holds one device's committed tokens and the target's KV cache of
-all of them but the last (the last one is fed with the next request, so one forward pass
-both extends the cache and yields the next-token distribution). :meth:`Target.step` runs
+all of them but the last (the last one is fed with the next VERIFY, so one forward pass
+both extends the cache and scores the first drafted token; after a FUSE the cache holds
+every token, so the next FUSE feeds only the device's new token: one row, not two). :meth:`Target.step` runs
 the requests of several sessions in ONE forward pass: the sessions' caches are left-padded
 to a common length, the new tokens right-padded, and a 2-D attention mask hides both pads;
 afterwards each session gets back exactly its own rows, cropped to what it committed
@@ -45,7 +46,7 @@ class TargetSession:
     """One device's state at the cloud.
 
     ``tokens``: committed ids (prompt + generated); ``cache``: the target's KV cache of
-    ``tokens[:-1]``; ``temperature`` / ``top_k``: the target's sampling settings (0 = greedy);
+    ``tokens[:-1]`` (of all ``tokens`` after a FUSE); ``temperature`` / ``top_k``: the target's sampling settings (0 = greedy);
     ``gen``: the session's random generator (seeded by the device's ``seed``)."""
 
     def __init__(self, prompt: list[int], temperature: float, top_k: int, seed: int, max_new: int):
@@ -60,7 +61,7 @@ class TargetSession:
 
     @property
     def cached(self) -> int:
-        """Tokens in the KV cache (always ``len(tokens) - 1``)."""
+        """Tokens in the KV cache (``len(tokens) - 1``, or ``len(tokens)`` after a FUSE)."""
         return 0 if self.cache is None else self.cache.get_seq_length()
 
 
@@ -71,10 +72,11 @@ def _cache_from(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache
     return cache
 
 
-def _kv(cache: DynamicCache | None, n_layers: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-    if cache is None or cache.get_seq_length() == 0:
+def _kv(cache: DynamicCache | None, n_layers: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """The first ``length`` positions of every layer of ``cache`` (views), None if empty."""
+    if cache is None or length == 0:
         return None
-    return [(layer.keys, layer.values) for layer in cache.layers[:n_layers]]
+    return [(layer.keys[:, :, :length], layer.values[:, :, :length]) for layer in cache.layers[:n_layers]]
 
 
 class Target:
@@ -145,8 +147,11 @@ class Target:
 
     # -- batched steps ------------------------------------------------------------------
 
-    def _prepare(self, sess: TargetSession, req) -> list[int]:
-        """Validate ``req`` against ``sess``; the input ids to feed (pending last token first)."""
+    def _prepare(self, sess: TargetSession, req) -> tuple[list[int], int]:
+        """Validate ``req`` against ``sess``; returns the ids to feed and how many cached
+        positions they follow. A FUSE after a FUSE feeds only the newly committed ids (the
+        cache already holds every token); otherwise the last committed token is fed again
+        first, so its logits score the first drafted token."""
         if sess.closed:
             raise SessionError("protocol", "session is closed")
         if req.base_len != len(sess.tokens):
@@ -163,7 +168,9 @@ class Target:
         self._check_ids(new)
         if len(sess.tokens) + len(new) + 1 > self.context_len:
             raise SessionError("context", f"session would exceed the context of {self.context_len}")
-        return [sess.tokens[-1]] + new
+        if isinstance(req, P.Fuse) and new and sess.cached == len(sess.tokens):
+            return new, sess.cached
+        return [sess.tokens[-1]] + new, len(sess.tokens) - 1
 
     @torch.no_grad()
     def step(self, jobs: list[tuple[TargetSession, P.Verify | P.Fuse]]) -> list[P.Message]:
@@ -174,15 +181,17 @@ class Target:
         if len({id(s) for s, _ in jobs}) != len(jobs):
             raise ValueError("at most one job per session in a batch")
         replies: list[P.Message | None] = [None] * len(jobs)
-        live, inputs = [], []
+        live, inputs, pasts = [], [], []
         for j, (sess, req) in enumerate(jobs):
             try:
-                inputs.append(self._prepare(sess, req))
+                ids, past = self._prepare(sess, req)
+                inputs.append(ids)
+                pasts.append(past)
                 live.append(j)
             except SessionError as exc:
                 replies[j] = P.Error(exc.code, str(exc))
         if live:
-            logits, caches = self._forward([jobs[j][0] for j in live], inputs)
+            logits, caches = self._forward([jobs[j][0] for j in live], inputs, pasts)
             for b, j in enumerate(live):
                 sess, req = jobs[j]
                 try:
@@ -193,18 +202,20 @@ class Target:
             self.jobs += len(live)
         return replies  # type: ignore[return-value]
 
-    def _forward(self, sessions: list[TargetSession], inputs: list[list[int]]):
-        """Logits ``[m_b, V]`` and the new KV layers ``[(k, v)] (1, kvh, L_b + m_b, d)`` per row."""
+    def _forward(self, sessions: list[TargetSession], inputs: list[list[int]], pasts: list[int]):
+        """Logits ``[m_b, V]`` and the new KV layers ``[(k, v)] (1, kvh, L_b + m_b, d)`` per
+        row, where row b continues the first ``L_b = pasts[b]`` cached positions."""
+        per = [_kv(s.cache, self.n_layers, L) for s, L in zip(sessions, pasts)]
         if len(sessions) == 1:  # no batch padding: the single-session computation
-            sess, ids = sessions[0], inputs[0]
-            real, past = len(ids), sess.cached
-            cache = _cache_from(_kv(sess.cache, self.n_layers)) if past else DynamicCache()
+            ids, past = inputs[0], pasts[0]
+            real = len(ids)
+            cache = _cache_from(per[0]) if past else DynamicCache()
             ids = ids + [self.pad_id] * (self._rows(len(ids)) - len(ids))
             pos = torch.arange(past, past + len(ids)).unsqueeze(0)
             out = self.model(input_ids=torch.tensor([ids]), position_ids=pos, cache=cache, use_cache=True)
             kv = [(layer.keys, layer.values) for layer in out.cache.layers]
             return [out.logits[0, :real]], [kv]  # pad rows' KV lie past every crop
-        lens = [s.cached for s in sessions]
+        lens = list(pasts)
         news = [len(x) for x in inputs]
         lmax, mmax, bsz = max(lens), self._rows(max(news)), len(sessions)
         ids = torch.full((bsz, mmax), self.pad_id, dtype=torch.long)
@@ -216,7 +227,6 @@ class Target:
             pos[b] = torch.arange(L, L + mmax)
         cache = DynamicCache()
         if lmax > 0:
-            per = [_kv(s.cache, self.n_layers) for s in sessions]
             ref = next(p for p in per if p is not None)
             for i in range(self.n_layers):
                 ks, vs = [], []
@@ -254,7 +264,7 @@ class Target:
                 n, token = verify_sampled(p, draft, q, sess.gen)
             else:
                 n, token = verify_greedy(torch.argmax(logits, dim=-1).tolist(), draft)
-            keep = base + n - 0  # cache covers tokens[:-1] + the pending token + n drafts
+            keep = base + n  # tokens[:-1], the re-fed last token and the n kept drafts
             sess.cache = _cache_from([(k[:, :, :keep], v[:, :, :keep]) for k, v in kv])
             sess.tokens = sess.tokens + draft[:n] + [token]
             return P.Verified(req.req, n, token)
@@ -267,6 +277,6 @@ class Target:
         scale = float(np.float16(max(top - float(vals[-1]), 1e-3) / 255.0))
         q = torch.clamp(torch.round((top - vals) / scale), 0, 255).to(torch.uint8).numpy()
         sess.tokens = sess.tokens + committed
-        keep = len(sess.tokens) - 1
+        keep = len(sess.tokens)  # every token: the next FUSE feeds only what is new
         sess.cache = _cache_from([(k[:, :, :keep], v[:, :, :keep]) for k, v in kv])
         return P.TopK(req.req, ids.numpy().astype(np.int64), q, top, scale, tail)

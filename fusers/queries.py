@@ -247,13 +247,19 @@ def load_gsm8k(mirror: str | Path | None, n: int, seed: int, split: str = "test"
     Raises:
         ValueError: ``n < 1`` or more than the split holds.
         FileNotFoundError: the mirror has no ``gsm8k/<split>.jsonl`` (names ``data.mirror``).
+        RuntimeError: ``mirror=None`` and the hub could not be reached.
     """
     import datasets
 
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     if mirror is None:
-        ds = datasets.load_dataset(GSM8K_HUB_ID, "main", split=split)
+        try:
+            ds = datasets.load_dataset(GSM8K_HUB_ID, "main", split=split)
+        except Exception as e:  # offline, hub errors, unknown split: many types
+            raise RuntimeError(f"could not load {GSM8K_HUB_ID!r} (split {split!r}) from the hub: "
+                               f"{type(e).__name__}: {e}. Offline, set data.mirror to a data mirror "
+                               f"holding gsm8k/{split}.jsonl (e.g. ../shared/data).") from e
     else:
         path = _resolve_dir(mirror) / "gsm8k" / f"{split}.jsonl"
         if not path.is_file():
