@@ -87,10 +87,10 @@ class Target:
         tok: its tokenizer (for the fingerprint and the pad id).
         name: the model's name, reported to devices.
         max_context: the most tokens (prompt + generated) a session may hold.
-        min_block_rows: a forward of 2..min_block_rows-1 new tokens per row is padded to
-            this many (pads are ignored and never cached). On this CPU (1 thread, 1.5B) a
-            forward of 2 or 3 tokens took 595 / 870 ms but 4 tokens 530 ms: PyTorch's
-            matrix kernels for 2-3 rows are slower than its blocked kernel for 4.
+        min_block_rows: a forward of 2..min_block_rows-1 new-token rows in all (batch ×
+            tokens) is padded to this many (pads are ignored and never cached). On this CPU
+            (1 thread, 1.5B) 1 / 2 / 3 / 4 / 8 / 32 rows took 290 / 595 / 870 / 510 / 625 /
+            1320 ms: PyTorch's matrix kernels for 2-3 rows are slower than for 4.
     """
 
     def __init__(self, model, tok, name: str, max_context: int = 2048, min_block_rows: int = 4):
@@ -217,7 +217,8 @@ class Target:
             return [out.logits[0, :real]], [kv]  # pad rows' KV lie past every crop
         lens = list(pasts)
         news = [len(x) for x in inputs]
-        lmax, mmax, bsz = max(lens), self._rows(max(news)), len(sessions)
+        lmax, bsz = max(lens), len(sessions)
+        mmax = -(-self._rows(bsz * max(news)) // bsz)  # pad so batch·rows avoids 2-3
         ids = torch.full((bsz, mmax), self.pad_id, dtype=torch.long)
         mask = torch.zeros((bsz, lmax + mmax), dtype=torch.long)
         pos = torch.zeros((bsz, mmax), dtype=torch.long)
