@@ -25,6 +25,7 @@ mode carries on edge-only and says so in :attr:`DecodeResult.fallback`.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -35,6 +36,7 @@ from transformers import DynamicCache
 from . import protocol as P
 from .fusion import FusionConfig, fuse
 from .speculative import GammaController, draft_q, sample_sparse, sparse_q
+from .target import batched_forward, cache_from_layers
 
 MODES = ("edge", "cloud", "spec_sync", "spec_async", "fusion_static", "fusion_adaptive")
 LINK_MODES = tuple(m for m in MODES if m != "edge")
@@ -143,6 +145,56 @@ class DecodeResult:
         return out
 
 
+class DraftBatcher:
+    """Runs the forward passes of simulated devices that share one edge model as one batched
+    pass, each device keeping its own KV cache (:func:`cloud.target.batched_forward`).
+
+    An emulation aid, not something a real device does: real devices compute in parallel on
+    their own hardware, while N simulated devices in one process would queue behind each
+    other on the host's cores. The first caller waits ``max_wait_ms`` (ms) for the others,
+    then runs everyone's step at once; each caller gets its own rows back. Thread-safe."""
+
+    def __init__(self, model, pad_id: int, max_wait_ms: float = 2.0):
+        self.body = model.get_decoder()
+        self.pad_id = int(pad_id)
+        self.max_wait_s = max_wait_ms / 1000
+        self._lock = threading.Lock()
+        self._pending: list[dict] = []
+        self.batches = 0
+        self.rows = 0
+
+    def run(self, layers, past: int, ids: list[int]) -> tuple[torch.Tensor, list]:
+        """Feed ``ids`` after ``past`` cached positions (``layers``: ``[(k, v)]`` or None);
+        returns the hidden states ``[len(ids), H]`` and the new cache layers. Re-raises the
+        batch's error in every caller."""
+        slot = {"req": (layers, past, list(ids)), "done": threading.Event()}
+        with self._lock:
+            self._pending.append(slot)
+            leader = len(self._pending) == 1
+        if leader:
+            time.sleep(self.max_wait_s)
+            with self._lock:
+                batch, self._pending = self._pending, []
+            try:
+                outs, kvs = batched_forward(self.body, [b["req"][0] for b in batch],
+                                            [b["req"][1] for b in batch], [b["req"][2] for b in batch],
+                                            self.pad_id, output="last_hidden_state")
+                for b, o, kv in zip(batch, outs, kvs):
+                    b["out"] = (o, kv)
+                self.batches += 1
+                self.rows += len(batch)
+            except BaseException as exc:  # every waiting device gets the error
+                for b in batch:
+                    b["error"] = exc
+            finally:
+                for b in batch:
+                    b["done"].set()
+        slot["done"].wait()
+        if "error" in slot:
+            raise slot["error"]
+        return slot["out"]
+
+
 def _crop(cache: DynamicCache, n: int) -> None:
     """Keep the first ``n`` positions of ``cache`` (transformers 5 ``crop`` takes a negative
     count of positions to drop)."""
@@ -158,12 +210,14 @@ class EdgeLM:
     last few, which :meth:`logits` feeds. ``head``: an optional cheap draft head (an object
     with ``keep_ids`` LongTensor[N] and ``logits(hidden[B, T, H]) -> [B, T, N]``, e.g.
     :class:`cloud.draft.DraftHead`) used by :meth:`draft_logits`; output tokens of the edge
-    itself always come from the full head."""
+    itself always come from the full head. ``batcher``: a :class:`DraftBatcher` shared by
+    simulated devices that share this model."""
 
-    def __init__(self, model, tok, head=None):
+    def __init__(self, model, tok, head=None, batcher: DraftBatcher | None = None):
         self.model = model.eval()
         self.tok = tok
         self.head = head
+        self.batcher = batcher
         self.vocab_size = int(model.config.vocab_size)
         self.tokens: list[int] = []
         self.cache = DynamicCache()
@@ -195,6 +249,11 @@ class EdgeLM:
         if past >= len(self.tokens):
             past = len(self.tokens) - 1
             _crop(self.cache, past)
+        if self.batcher is not None:
+            layers = [(la.keys, la.values) for la in self.cache.layers] if past else None
+            hidden, kv = self.batcher.run(layers, past, self.tokens[past:])
+            self.cache = cache_from_layers(kv)
+            return hidden[-1]
         ids = torch.tensor([self.tokens[past:]])
         pos = torch.arange(past, len(self.tokens)).unsqueeze(0)
         out = self.model.get_decoder()(input_ids=ids, position_ids=pos, cache=self.cache, use_cache=True)

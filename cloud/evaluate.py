@@ -19,7 +19,7 @@ import numpy as np
 from edgefuse.transport.wan import WanProfile
 from fusers.queries import Query, gsm8k_final, prompt_split, rouge_l
 
-from .decode import MODES, DecodeConfig, DecodeResult, Decoder, EdgeLM
+from .decode import MODES, DecodeConfig, DecodeResult, Decoder, DraftBatcher, EdgeLM
 
 ROW_FIELDS = ("mode", "rtt_ms", "devices", "tokens_per_s", "aggregate_tokens_per_s",
               "round_trips_per_token", "bytes_down_per_token", "bytes_up_per_token",
@@ -78,12 +78,15 @@ class Record:
 def run_devices(model, tok, queries: list[Query], modes: list[str], cfg: DecodeConfig,
                 host: str | None, port: int | None, wan: WanProfile | None, devices: int,
                 fingerprint: str, max_prompt_tokens: int = 256, head=None,
-                connect_timeout_s: float = 30.0, progress=None) -> tuple[list[Record], dict[str, float]]:
+                connect_timeout_s: float = 30.0, progress=None,
+                batch_devices: bool = True) -> tuple[list[Record], dict[str, float]]:
     """Decode every query in every mode with ``devices`` concurrent sessions.
 
     Queries are dealt round-robin to the devices; modes run one after another, each with all
     devices at once. Each device opens one link (``wan`` emulated, seeded per device) and
     keeps it for all modes. ``progress(mode, done, total)`` is called after each generation.
+    ``batch_devices``: the simulated devices' forward passes run batched
+    (:class:`~cloud.decode.DraftBatcher`), standing in for devices computing in parallel.
 
     Returns:
         ``(records, wall_s)``: one :class:`Record` per (query, mode), and the wall time of
@@ -109,8 +112,12 @@ def run_devices(model, tok, queries: list[Query], modes: list[str], cfg: DecodeC
                                                        wan.loss, seed=wan.seed + d)
             links.append(CloudLink.connect(host, port, wan=prof, timeout_s=connect_timeout_s))
     rtt = wan.rtt_ms if wan is not None else 1.0
-    decoders = [Decoder(EdgeLM(model, tok, head=head), links[d] if links else None, fingerprint,
-                        rtt_ms=rtt) for d in range(devices)]
+    batcher = None
+    if batch_devices and devices > 1:
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        batcher = DraftBatcher(model, int(pad or 0))
+    decoders = [Decoder(EdgeLM(model, tok, head=head, batcher=batcher), links[d] if links else None,
+                        fingerprint, rtt_ms=rtt) for d in range(devices)]
     records: list[Record] = []
     wall: dict[str, float] = {}
     lock = threading.Lock()

@@ -65,7 +65,8 @@ class TargetSession:
         return 0 if self.cache is None else self.cache.get_seq_length()
 
 
-def _cache_from(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+def cache_from_layers(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+    """A ``DynamicCache`` holding ``[(keys, values)]`` per layer (tensors shared, not copied)."""
     cache = DynamicCache()
     for i, (k, v) in enumerate(layers):
         cache.update(k, v, i)
@@ -77,6 +78,74 @@ def _kv(cache: DynamicCache | None, n_layers: int, length: int) -> list[tuple[to
     if cache is None or length == 0:
         return None
     return [(layer.keys[:, :, :length], layer.values[:, :, :length]) for layer in cache.layers[:n_layers]]
+
+
+def cache_layers(out) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The ``(keys, values)`` of every layer of a forward output's cache."""
+    cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+@torch.no_grad()
+def batched_forward(model, per: list, pasts: list[int], inputs: list[list[int]], pad_id: int,
+                    min_rows: int = 1, output: str = "logits"):
+    """One forward pass over several independent sequences, each with its own KV cache.
+
+    Row b continues ``per[b]`` (``[(k, v)]`` per layer, ``(1, kv_heads, pasts[b], d)``, or
+    None when ``pasts[b] == 0``) with ``inputs[b]`` (``m_b`` ids). The caches are
+    left-padded to the longest, the inputs right-padded, and a 2-D attention mask hides
+    both pads; positions continue each row's own length. When the batch holds 2 to
+    ``min_rows - 1`` token rows in all, the inputs are padded to ``min_rows`` rows (pad
+    rows are never returned). A single row runs unpadded, exactly as alone.
+
+    Args:
+        model: a causal LM (``output="logits"``) or its decoder body
+            (``output="last_hidden_state"``).
+    Returns:
+        ``(outs, kvs)``: per row ``[m_b, V]`` logits (or ``[m_b, H]`` hidden states) and its
+        new cache ``[(k, v)]`` of ``pasts[b] + m_b`` positions, plus pad positions at the
+        end for a single padded row (callers crop to what they keep).
+    """
+    def rows(total: int) -> int:
+        return min_rows if 1 < total < min_rows else total
+
+    if len(inputs) == 1:
+        ids, past = inputs[0], pasts[0]
+        real = len(ids)
+        cache = cache_from_layers(per[0]) if past else DynamicCache()
+        ids = ids + [pad_id] * (rows(len(ids)) - len(ids))
+        pos = torch.arange(past, past + len(ids)).unsqueeze(0)
+        out = model(input_ids=torch.tensor([ids]), position_ids=pos, cache=cache, use_cache=True)
+        return [getattr(out, output)[0, :real]], [cache_layers(out)]
+    lens, news, bsz = list(pasts), [len(x) for x in inputs], len(inputs)
+    lmax = max(lens)
+    mmax = -(-rows(bsz * max(news)) // bsz)
+    ids = torch.full((bsz, mmax), pad_id, dtype=torch.long)
+    mask = torch.zeros((bsz, lmax + mmax), dtype=torch.long)
+    pos = torch.zeros((bsz, mmax), dtype=torch.long)
+    for b, (x, L) in enumerate(zip(inputs, lens)):
+        ids[b, :len(x)] = torch.tensor(x)
+        mask[b, lmax - L:lmax + len(x)] = 1
+        pos[b] = torch.arange(L, L + mmax)
+    cache = DynamicCache()
+    if lmax > 0:
+        ref = next(p for p in per if p is not None)
+        for i in range(len(ref)):
+            k0, v0 = ref[i]
+            shape = (bsz, k0.shape[1], lmax, k0.shape[3])
+            k, v = torch.zeros(shape, dtype=k0.dtype), torch.zeros(shape, dtype=v0.dtype)
+            for b, L in enumerate(lens):
+                if L:
+                    k[b:b + 1, :, lmax - L:], v[b:b + 1, :, lmax - L:] = per[b][i]
+            cache.update(k, v, i)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
+    layers = cache_layers(out)
+    outs, kvs = [], []
+    for b, (L, m) in enumerate(zip(lens, news)):
+        outs.append(getattr(out, output)[b, :m])
+        idx = torch.tensor(list(range(lmax - L, lmax)) + list(range(lmax, lmax + m)))
+        kvs.append([(k[b:b + 1, :, idx], v[b:b + 1, :, idx]) for k, v in layers])
+    return outs, kvs
 
 
 class Target:
@@ -203,56 +272,9 @@ class Target:
         return replies  # type: ignore[return-value]
 
     def _forward(self, sessions: list[TargetSession], inputs: list[list[int]], pasts: list[int]):
-        """Logits ``[m_b, V]`` and the new KV layers ``[(k, v)] (1, kvh, L_b + m_b, d)`` per
-        row, where row b continues the first ``L_b = pasts[b]`` cached positions."""
+        """Logits ``[m_b, V]`` and the new KV layers per row (see :func:`batched_forward`)."""
         per = [_kv(s.cache, self.n_layers, L) for s, L in zip(sessions, pasts)]
-        if len(sessions) == 1:  # no batch padding: the single-session computation
-            ids, past = inputs[0], pasts[0]
-            real = len(ids)
-            cache = _cache_from(per[0]) if past else DynamicCache()
-            ids = ids + [self.pad_id] * (self._rows(len(ids)) - len(ids))
-            pos = torch.arange(past, past + len(ids)).unsqueeze(0)
-            out = self.model(input_ids=torch.tensor([ids]), position_ids=pos, cache=cache, use_cache=True)
-            kv = [(layer.keys, layer.values) for layer in out.cache.layers]
-            return [out.logits[0, :real]], [kv]  # pad rows' KV lie past every crop
-        lens = list(pasts)
-        news = [len(x) for x in inputs]
-        lmax, bsz = max(lens), len(sessions)
-        mmax = -(-self._rows(bsz * max(news)) // bsz)  # pad so batch·rows avoids 2-3
-        ids = torch.full((bsz, mmax), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((bsz, lmax + mmax), dtype=torch.long)
-        pos = torch.zeros((bsz, mmax), dtype=torch.long)
-        for b, (x, L) in enumerate(zip(inputs, lens)):
-            ids[b, :len(x)] = torch.tensor(x)
-            mask[b, lmax - L:lmax + len(x)] = 1
-            pos[b] = torch.arange(L, L + mmax)
-        cache = DynamicCache()
-        if lmax > 0:
-            ref = next(p for p in per if p is not None)
-            for i in range(self.n_layers):
-                ks, vs = [], []
-                for b, L in enumerate(lens):
-                    k0, v0 = ref[i]
-                    shape = (1, k0.shape[1], lmax, k0.shape[3])
-                    k, v = torch.zeros(shape, dtype=k0.dtype), torch.zeros(shape, dtype=v0.dtype)
-                    if L:
-                        k[:, :, lmax - L:], v[:, :, lmax - L:] = per[b][i]
-                    ks.append(k)
-                    vs.append(v)
-                cache.update(torch.cat(ks), torch.cat(vs), i)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
-        logits, kvs = [], []
-        for b, (L, m) in enumerate(zip(lens, news)):
-            logits.append(out.logits[b, :m])
-            rows = list(range(lmax - L, lmax)) + list(range(lmax, lmax + m))
-            idx = torch.tensor(rows)
-            kvs.append([(layer.keys[b:b + 1, :, idx], layer.values[b:b + 1, :, idx])
-                        for layer in out.cache.layers])
-        return logits, kvs
-
-    def _rows(self, m: int) -> int:
-        """New-token rows to run for ``m`` real ones (see ``min_block_rows``)."""
-        return self.min_block_rows if 1 < m < self.min_block_rows else m
+        return batched_forward(self.model, per, pasts, inputs, self.pad_id, self.min_block_rows)
 
     def _finish(self, sess: TargetSession, req, logits: torch.Tensor, kv) -> P.Message:
         """Turn one row's logits into the reply and commit the session (cache cropped)."""
@@ -266,7 +288,7 @@ class Target:
             else:
                 n, token = verify_greedy(torch.argmax(logits, dim=-1).tolist(), draft)
             keep = base + n  # tokens[:-1], the re-fed last token and the n kept drafts
-            sess.cache = _cache_from([(k[:, :, :keep], v[:, :, :keep]) for k, v in kv])
+            sess.cache = cache_from_layers([(k[:, :, :keep], v[:, :, :keep]) for k, v in kv])
             sess.tokens = sess.tokens + draft[:n] + [token]
             return P.Verified(req.req, n, token)
         committed = list(req.committed)
@@ -279,5 +301,5 @@ class Target:
         q = torch.clamp(torch.round((top - vals) / scale), 0, 255).to(torch.uint8).numpy()
         sess.tokens = sess.tokens + committed
         keep = len(sess.tokens)  # every token: the next FUSE feeds only what is new
-        sess.cache = _cache_from([(k[:, :, :keep], v[:, :, :keep]) for k, v in kv])
+        sess.cache = cache_from_layers([(k[:, :, :keep], v[:, :, :keep]) for k, v in kv])
         return P.TopK(req.req, ids.numpy().astype(np.int64), q, top, scale, tail)

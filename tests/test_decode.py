@@ -295,3 +295,34 @@ def test_gamma_controller():
     c = GammaController(1, 8, alpha0=0.84)
     assert c.choose(86, 80, 290, overlap=True) > c.choose(86, 80, 290) == 3
     assert c.verify_base_ms(580.0, 5) == pytest.approx(290.0)
+
+
+def test_draft_batcher_runs_simulated_devices_together_with_unchanged_outputs(pair):
+    """Three devices sharing one model: their steps run batched (fewer forwards than steps),
+    and each device's greedy output equals what it generates alone."""
+    import threading
+
+    from cloud.decode import DraftBatcher
+
+    draft, _, tok = pair
+    prompts = [[5, 6, 7, 8, 9, 10], [40, 41, 42], [100, 7, 100, 7, 100]]
+    alone = []
+    for p in prompts:
+        e = EdgeLM(draft, tok)
+        e.eos_ids = set()
+        alone.append(Decoder(e).generate("edge", p, DecodeConfig(max_new_tokens=10)).tokens)
+    batcher = DraftBatcher(draft, pad_id=0, max_wait_ms=20)
+    got = [None] * 3
+
+    def work(i):
+        e = EdgeLM(draft, tok, batcher=batcher)
+        e.eos_ids = set()
+        got[i] = Decoder(e).generate("edge", prompts[i], DecodeConfig(max_new_tokens=10)).tokens
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == alone
+    assert batcher.rows == 3 * (1 + 10) and batcher.batches < batcher.rows  # prefill + 10 steps each
