@@ -76,6 +76,8 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--mirror", default=None,
                    help="data mirror (default: $EDGEFUSE_DATA_MIRROR, else ../shared/data, else the hub)")
+    p.add_argument("--parts", nargs="+", default=["modes", "devices"], choices=["modes", "devices"],
+                   help="what to run; a part left out keeps its rows from the existing --out JSON")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "bench_cloud.json"))
     args = p.parse_args(argv)
@@ -89,6 +91,17 @@ def _row(rows, mode, rtt, devices, sweep=None):
         if r["mode"] == mode and r["rtt_ms"] == rtt and r["devices"] == devices and r.get("sweep") == sweep:
             return r
     return None
+
+
+def _kept_rows(out: Path, parts: list[str]) -> list[dict]:
+    """Rows of the parts not rerun, from the previous result at ``out`` (none if absent)."""
+    if set(parts) == {"modes", "devices"} or not out.is_file():
+        return []
+    import json
+
+    old = json.loads(out.read_text()).get("modes", [])
+    keep_sweep = "devices" not in parts
+    return [r for r in old if (r.get("sweep") == "devices") == keep_sweep]
 
 
 def check_targets(rows: list[dict], rtts: list[float], devices: list[int], scale_mode: str) -> dict:
@@ -195,11 +208,13 @@ def main(argv=None) -> int:
             rows.extend(got)
             records_all.extend({**r.to_dict(), "rtt_ms": rtt, "devices": devices} for r in recs)
 
-        for rtt in args.rtts:
+        kept = _kept_rows(out, args.parts)
+        rows.extend(kept)
+        for rtt in args.rtts if "modes" in args.parts else []:
             sweep(list(args.modes), rtt, 1, queries)
         hi = max(args.rtts)
         scale_rows = []
-        for d in args.devices:
+        for d in args.devices if "devices" in args.parts else []:
             # every device decodes --scale-prompts prompts; the 1-device point is rerun alike
             qs = [queries[i % len(queries)] for i in range(args.scale_prompts * d)]
             before = len(rows)

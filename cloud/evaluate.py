@@ -212,19 +212,17 @@ def summarize(records: list[Record], wall: dict[str, float], tok, rtt_ms: float,
 
 
 def table(rows: list[dict]) -> str:
-    """A fixed-width text table of the main columns (for logs and the CLI)."""
-    cols = [("mode", "{:<16}"), ("devices", "{:>3}"), ("tokens_per_s", "{:>7.2f}"),
-            ("ms_per_token", "{:>8.1f}"), ("round_trips_per_token", "{:>6.2f}"),
-            ("bytes_up_per_token", "{:>7.1f}"), ("bytes_down_per_token", "{:>7.1f}"),
-            ("acceptance_rate", "{:>6.2f}"), ("agreement_with_target", "{:>6.2f}"),
-            ("gsm8k_exact_match", "{:>5.2f}"), ("rouge_l", "{:>5.2f}")]
-    head = "mode             dev  tok/s   ms/tok  RT/tok  B-up/t  B-dn/t  accept  agree  gsm8k rougeL"
-    lines = [head]
+    """A fixed-width text table of the main columns (for logs and the bench)."""
+    cols = (("mode", "mode", 16, None), ("dev", "devices", 3, "d"), ("tok/s", "tokens_per_s", 7, ".2f"),
+            ("ms/tok", "ms_per_token", 7, ".0f"), ("RT/tok", "round_trips_per_token", 6, ".2f"),
+            ("B-up/t", "bytes_up_per_token", 7, ".1f"), ("B-dn/t", "bytes_down_per_token", 7, ".1f"),
+            ("accept", "acceptance_rate", 6, ".2f"), ("agree", "agreement_with_target", 6, ".2f"),
+            ("gsm8k", "gsm8k_exact_match", 6, ".2f"), ("rougeL", "rouge_l", 6, ".3f"))
+    lines = [" ".join(f"{h:<{w}}" if f is None else f"{h:>{w}}" for h, _, w, f in cols)]
     for r in rows:
         cells = []
-        for key, fmt in cols:
+        for _, key, w, f in cols:
             v = r.get(key)
-            width = int("".join(c for c in fmt.split(":")[1].split(".")[0] if c.isdigit()) or 0)
-            cells.append(" " * width if v is None else fmt.format(v))
+            cells.append(f"{v:<{w}}" if f is None else " " * w if v is None else f"{v:>{w}{f}}")
         lines.append(" ".join(cells))
     return "\n".join(lines)
