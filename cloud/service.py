@@ -19,7 +19,9 @@ Model of execution:
   frames, and decodes messages.
 - ONE worker thread does all model work: OPEN → ``target.open``, CLOSE or a disconnect →
   ``target.close``; VERIFY and FUSE jobs are batched: the worker takes the first queued job,
-  waits up to ``max_wait_ms`` for more (at most one job per session, at most ``max_batch``),
+  waits up to ``max_wait_ms`` for more (at most one job per session, at most ``max_batch``;
+  it stops waiting as soon as every open session has a job in the batch, so a lone session
+  never waits and N sessions in step stay batched together),
   runs ``target.step(jobs)`` once and routes each answer back to its connection
   (``loop.call_soon_threadsafe``). Per-session order is kept: a session's later requests wait
   for its earlier ones. A job whose session has closed meanwhile is dropped.
@@ -127,8 +129,9 @@ class CloudService:
         host, port: where to listen; ``port=0`` picks a free port, see :attr:`port` once
             started.
         max_batch: jobs per ``target.step`` call, at most (≥ 1).
-        max_wait_ms: how long (ms) the worker waits to fill a batch after its first job
-            arrives (≥ 0; 0 = take only what is already queued).
+        max_wait_ms: how long (ms) the worker waits at most to fill a batch after its first
+            job arrives (≥ 0; 0 = take only what is already queued); it stops early once
+            every open session is in the batch.
         max_sessions: sessions open at once; an OPEN beyond gets ERROR ``busy``.
         handshake_timeout_s: a connection that sends no first message within this many
             seconds is closed.
@@ -137,7 +140,7 @@ class CloudService:
     """
 
     def __init__(self, target, host: str = "127.0.0.1", port: int = 0, *, max_batch: int = 8,
-                 max_wait_ms: float = 5.0, max_sessions: int = 64,
+                 max_wait_ms: float = 20.0, max_sessions: int = 64,
                  handshake_timeout_s: float = 10.0):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -557,6 +560,9 @@ class CloudService:
         batch, in_batch, blocked, deferred = [first], {first.sess}, set(), []
         deadline = time.monotonic() + self.max_wait_ms / 1000.0
         while len(batch) < self.max_batch:
+            with self._lock:
+                if len(in_batch) >= len(self._live):
+                    break  # every open session is in: nobody else can add a job
             item = self._next_item(deadline)
             if item is None:
                 break
@@ -612,7 +618,7 @@ class CloudService:
 # ------------------------------------------------------------------------ foreground / CLI
 
 def serve(model: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, max_batch: int = 8,
-          max_wait_ms: float = 5.0, max_sessions: int = 64, threads: int | None = None,
+          max_wait_ms: float = 20.0, max_sessions: int = 64, threads: int | None = None,
           max_context: int = 2048, port_file: str | None = None) -> None:
     """Load ``model`` (an :mod:`edgefuse.models` name), build a :class:`cloud.target.Target`
     and serve until SIGINT/SIGTERM. ``threads``: torch CPU threads (None = torch default).
@@ -651,7 +657,7 @@ def _log_tail(path: Path | None, nbytes: int = 4000) -> str:
 
 
 def start_service_process(model: str, host: str = "127.0.0.1", port: int = 0, *,
-                          max_batch: int = 8, max_wait_ms: float = 5.0, max_sessions: int = 64,
+                          max_batch: int = 8, max_wait_ms: float = 20.0, max_sessions: int = 64,
                           threads: int | None = 1, max_context: int = 2048,
                           log_path: str | os.PathLike | None = None, timeout_s: float = 120.0,
                           log_level: str = "INFO", python: str = sys.executable,
