@@ -5,16 +5,20 @@ Starts the cloud LLM service (``edgefuse cloud serve``, its own process) with th
 prompts (GSM8K test + held-out public Dolly) through real sockets and the encrypted link:
 
 1. every mode (edge, cloud, spec_sync, spec_async, fusion_static, fusion_adaptive) with one
-   device at emulated RTT 20 ms and 80 ms (100 Mbps);
+   device at emulated RTT 20 ms and 80 ms (100 Mbps), γ adaptive; then the speculative
+   modes with a fixed γ (``--fixed-gammas``, default 8) at 80 ms (rows with ``sweep: gamma``);
 2. the speculative mode (``--scale-mode``) and cloud-only with 1, 2, 4 and 8 concurrent
-   devices at 80 ms: simulated devices share this process's draft model (memory allows one),
+   devices at 80 ms (rows with ``sweep: devices``): simulated devices share this process's
+   draft model (memory allows one) and run their forward passes batched
+   (:class:`cloud.decode.DraftBatcher`, standing in for devices computing in parallel);
    what counts is concurrent sessions at the service, which batches their verifications.
 
 Then it checks the issue's targets: round trips per token <= 0.3 (speculative), downlink
 <= 1 KB per token (all link modes), async >= 1.25x sync at 80 ms, speculative >= 1.3x
 cloud-only tokens/s at 80 ms with identical output, and 8-device aggregate >= 3x one device.
 
-    python bench/bench_cloud.py                 # ~20 min here
+    python bench/bench_cloud.py                 # ~40 min here
+    python bench/bench_cloud.py --parts devices # rerun the device sweep, keep the other rows
     python bench/bench_cloud.py --quick         # 2 prompts, 16 tokens, devices 1 and 2
 
 Both processes run torch with one thread (``--threads``): the device and the cloud are

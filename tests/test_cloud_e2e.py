@@ -95,3 +95,46 @@ def test_late_cloud_answers_meet_the_deadline_path(service):
     again = dec.generate("cloud", [5, 6, 7], DecodeConfig(max_new_tokens=3))
     assert again.fallback is None and again.round_trips == 3
     link.close()
+
+
+@pytest.mark.integration
+def test_real_smollm2_speculative_is_lossless_and_fusion_runs():
+    """Real weights (SmolLM2-135M, the model CI already fetches): the cloud serves the base
+    model, the device drafts with a LoRA-perturbed copy (so drafts are sometimes rejected);
+    greedy speculative output equals the base model's own greedy continuation."""
+    from edgefuse.lora import attach_lora
+    from edgefuse.models import load_model
+
+    torch.manual_seed(0)
+    target, tok = load_model("smollm2-135m")
+    svc = CloudService(Target(target, tok, "smollm2-135m"), "127.0.0.1", 0)
+    svc.start_in_thread()
+    try:
+        base, _ = load_model("smollm2-135m")
+        draft = attach_lora(base, rank=8, alpha=16, dropout=0.0, target_modules=["q_proj", "v_proj"], seed=0)
+        with torch.no_grad():  # a visible but small perturbation of the draft
+            for name, p in draft.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.02)
+        prompt = tok.apply_chat_template([{"role": "user", "content": "Name three primary colours."}],
+                                         add_generation_prompt=True, tokenize=True)
+        prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+        edge = EdgeLM(draft, tok)
+        link = CloudLink.connect("127.0.0.1", svc.port)
+        dec = Decoder(edge, link, svc.target.fingerprint)
+        cfg = DecodeConfig(max_new_tokens=16)
+        want = target.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
+                               attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0, len(prompt):].tolist()
+        cut = next((i for i, t in enumerate(want) if t in edge.eos_ids), len(want))
+        want = want[:cut]  # the decoder stops at the end of turn and does not return it
+        assert len(want) >= 4
+        for mode in ("spec_sync", "spec_async"):
+            res = dec.generate(mode, prompt, cfg)
+            assert res.tokens == want and res.fallback is None
+            assert 0 < res.acceptance_rate <= 1 and res.round_trips < len(res.tokens)
+        fused = dec.generate("fusion_adaptive", prompt, cfg)
+        assert fused.fallback is None and fused.round_trips == len(fused.tokens) + (len(fused.tokens) < 16)
+        assert 0 < fused.edge_weight_mean < 1
+        link.close()
+    finally:
+        svc.stop()
