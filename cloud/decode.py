@@ -312,7 +312,7 @@ class Decoder:
         edge: the device's :class:`EdgeLM`.
         link: a connected :class:`cloud.link.CloudLink` (None: only ``edge`` works).
         fingerprint: the edge tokenizer's fingerprint (:func:`cloud.target.tokenizer_fingerprint`).
-        rtt_ms: the RTT the γ controller assumes before it has measured one (ms).
+        rtt_ms: the link's RTT the γ controller assumes (ms; e.g. the WAN preset's).
     """
 
     def __init__(self, edge: EdgeLM, link=None, fingerprint: str = "", rtt_ms: float = 20.0):
@@ -327,8 +327,10 @@ class Decoder:
     def generate(self, mode: str, prompt: list[int], cfg: DecodeConfig) -> DecodeResult:
         """Generate up to ``cfg.max_new_tokens`` after ``prompt`` in ``mode``.
 
-        Raises :class:`DecodeError` for an unknown mode or a link mode without a link.
-        A cloud that fails mid-way does not raise: the rest is edge-only (``fallback``)."""
+        Raises :class:`DecodeError` for an unknown mode or a link mode without a link, and
+        :class:`cloud.protocol.RemoteError` when the cloud refuses the session (``fingerprint``:
+        another tokenizer; ``context``: too long). A cloud that is unreachable, busy, or fails
+        mid-way does not raise: the rest is edge-only (``fallback`` says so)."""
         if mode not in MODES:
             raise DecodeError(f"unknown decoding mode {mode!r}; choose from {', '.join(MODES)}")
         if mode != "edge" and self.link is None:
@@ -341,7 +343,9 @@ class Decoder:
         if mode != "edge":
             try:
                 self._open(prompt, cfg)
-            except (ConnectionError, TimeoutError, OSError) as exc:
+            except (ConnectionError, TimeoutError, OSError, P.RemoteError) as exc:
+                if isinstance(exc, P.RemoteError) and exc.code != "busy":
+                    raise  # a refused pair (fingerprint, context) is an error, not an outage
                 res.fallback = f"cloud unavailable at the start ({exc}); edge only"
                 mode = "edge"
         t1 = time.perf_counter()
