@@ -78,7 +78,7 @@ def parse_args(argv=None):
     p.add_argument("--gamma", type=int, default=None, help="fixed γ (default: adaptive)")
     p.add_argument("--draft-head", type=int, default=32768, help="frequency-pruned draft head size (0 = full)")
     p.add_argument("--max-batch", type=int, default=8)
-    p.add_argument("--max-wait-ms", type=float, default=20.0)
+    p.add_argument("--max-wait-ms", type=float, default=100.0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--mirror", default=None,
                    help="data mirror (default: $EDGEFUSE_DATA_MIRROR, else ../shared/data, else the hub)")

@@ -102,9 +102,9 @@ def _cloud(argv: list[str]) -> int:
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=39200, help="TCP port, 0 = any free one (default 39200)")
     s.add_argument("--max-batch", type=int, default=8, help="jobs per forward pass, at most (default 8)")
-    s.add_argument("--max-wait-ms", type=float, default=20.0,
+    s.add_argument("--max-wait-ms", type=float, default=100.0,
                    help="ms the batcher waits at most to fill a batch after its first job; it stops "
-                        "early once every open session is in (default 20)")
+                        "early once every open session is in (default 100)")
     s.add_argument("--max-sessions", type=int, default=64,
                    help="sessions open at once; more get ERROR busy (default 64)")
     s.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
