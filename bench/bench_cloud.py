@@ -111,6 +111,25 @@ def _kept_rows(out: Path, parts: list[str]) -> list[dict]:
     return [r for r in old if (r.get("sweep") == "devices") == keep_sweep]  # "gamma" rows: modes part
 
 
+def fill_gamma_agreement(rows: list[dict], records: list[dict]) -> None:
+    """Agreement / identity of the fixed-γ rows with the ``cloud`` generations of the same
+    prompts at the same RTT (the fixed-γ part runs no ``cloud`` mode of its own)."""
+    from cloud.evaluate import agreement
+
+    for r in rows:
+        if r.get("sweep") != "gamma":
+            continue
+        ref = {x["qid"]: x["tokens"] for x in records
+               if x["mode"] == "cloud" and x["rtt_ms"] == r["rtt_ms"] and x["devices"] == 1
+               and x.get("sweep") is None}
+        mine = [x for x in records if x["mode"] == r["mode"] and x.get("sweep") == "gamma"
+                and x.get("gamma") == r["gamma"] and x["qid"] in ref]
+        if mine:
+            agree = [agreement(x["tokens"], ref[x["qid"]]) for x in mine]
+            r["agreement_with_target"] = sum(agree) / len(agree)
+            r["identical_to_target"] = all(a == 1.0 for a in agree)
+
+
 def check_targets(rows: list[dict], rtts: list[float], devices: list[int], scale_mode: str) -> dict:
     """The issue's targets, each ``{"value", "target", "met"}`` (``met`` None if not measured)."""
     hi = max(rtts)
@@ -222,7 +241,8 @@ def main(argv=None) -> int:
             print(f"\nRTT {rtt:g} ms, {devices} device(s), γ {cfg_.gamma or 'adaptive'}:\n{table(got)}",
                   flush=True)
             rows.extend(got)
-            records_all.extend({**r.to_dict(), "rtt_ms": rtt, "devices": devices} for r in recs)
+            records_all.extend({**r.to_dict(), "rtt_ms": rtt, "devices": devices, "sweep": tag,
+                                "gamma": cfg_.gamma} for r in recs)
 
         kept = _kept_rows(out, args.parts)
         rows.extend(kept)
@@ -240,6 +260,8 @@ def main(argv=None) -> int:
             scale_rows += rows[before:]
     finally:
         stop_service_process(proc)
+    if "modes" in args.parts:
+        fill_gamma_agreement(rows, records_all)
     targets = check_targets(rows, args.rtts, args.devices, args.scale_mode)
     result = {
         "edge_model": args.edge_model, "target_model": args.target_model, "threads": args.threads,
