@@ -100,15 +100,16 @@ def _row(rows, mode, rtt, devices, sweep=None):
     return None
 
 
-def _kept_rows(out: Path, parts: list[str]) -> list[dict]:
-    """Rows of the parts not rerun, from the previous result at ``out`` (none if absent)."""
+def _kept_rows(out: Path, parts: list[str]) -> tuple[list[dict], list[dict]]:
+    """Rows and records of the parts not rerun, from the previous result at ``out``."""
     if set(parts) == {"modes", "devices"} or not out.is_file():
-        return []
+        return [], []
     import json
 
-    old = json.loads(out.read_text()).get("modes", [])
-    keep_sweep = "devices" not in parts
-    return [r for r in old if (r.get("sweep") == "devices") == keep_sweep]  # "gamma" rows: modes part
+    old = json.loads(out.read_text())
+    keep_sweep = "devices" not in parts  # the "gamma" rows belong to the modes part
+    return ([r for r in old.get("modes", []) if (r.get("sweep") == "devices") == keep_sweep],
+            [r for r in old.get("records", []) if (r.get("sweep") == "devices") == keep_sweep])
 
 
 def fill_gamma_agreement(rows: list[dict], records: list[dict]) -> None:
@@ -244,8 +245,9 @@ def main(argv=None) -> int:
             records_all.extend({**r.to_dict(), "rtt_ms": rtt, "devices": devices, "sweep": tag,
                                 "gamma": cfg_.gamma} for r in recs)
 
-        kept = _kept_rows(out, args.parts)
+        kept, kept_records = _kept_rows(out, args.parts)
         rows.extend(kept)
+        records_all.extend(kept_records)
         hi = max(args.rtts)
         for rtt in args.rtts if "modes" in args.parts else []:
             sweep(list(args.modes), rtt, 1, queries)
