@@ -51,7 +51,7 @@ def test_query_round_trips_through_json():
     with pytest.raises(ValueError, match="unknown"):
         Query.from_dict({**mmlu_query().to_dict(), "extra": 1})
     with pytest.raises(ValueError, match="kind"):
-        Query(qid="x", kind="gsm8k", instruction="", context="", choices=None, answer=None,
+        Query(qid="x", kind="trivia", instruction="", context="", choices=None, answer=None,
               reference=None, category="")
     with pytest.raises(ValueError, match="answer"):
         mmlu_query(answer=4)
@@ -245,3 +245,27 @@ def test_rouge_l_hand_checked():
     # Unequal lengths: LCS "a b" = 2; P = 2/2, R = 2/4, F = 2PR / (P + R) = 2/3.
     assert rouge_l("a b", "a x b y") == pytest.approx(2 / 3)
     assert rouge_l("", "anything") == 0.0
+
+
+def test_gsm8k_final_number():
+    from fusers.queries import gsm8k_final
+
+    assert gsm8k_final("16 - 3 - 4 = 9 eggs.\n9 * 2 = $18\n#### 18") == "18"
+    assert gsm8k_final("So the total is 1,234.50 dollars") == "1234.5"
+    assert gsm8k_final("#### 3.0") == "3"
+    assert gsm8k_final("She has -5 left, then 7.") == "7"
+    assert gsm8k_final("no number here") is None
+
+
+def test_load_gsm8k_seeded(mirror):
+    from fusers.queries import load_gsm8k
+
+    a = load_gsm8k(mirror, 5, seed=0)
+    assert [q.qid for q in a] == [q.qid for q in load_gsm8k(mirror, 5, seed=0)]
+    assert len({q.qid for q in a}) == 5 and all(q.kind == "gsm8k" for q in a)
+    assert all(q.reference and q.reference.lstrip("-").replace(".", "").isdigit() for q in a)
+    assert all(q.instruction.endswith("#### <number>") for q in a)
+    with pytest.raises(ValueError):
+        load_gsm8k(mirror, 0, seed=0)
+    with pytest.raises(FileNotFoundError, match="data.mirror"):
+        load_gsm8k("/nonexistent", 1, seed=0)
