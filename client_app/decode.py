@@ -12,23 +12,11 @@ import json
 import torch
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 
-from cloud.decode import DecodeConfig
+from cloud.decode import decode_config
 from cloud.evaluate import pruned_head, run_devices
-from cloud.fusion import FusionConfig
 from cloud.target import tokenizer_fingerprint
 from edgefuse.transport.wan import WanProfile
 from fusers.queries import Query
-
-
-def decode_config(c) -> DecodeConfig:
-    """The :class:`DecodeConfig` of the ``cloud`` config group."""
-    d = c.decode
-    return DecodeConfig(
-        max_new_tokens=int(c.eval.max_new_tokens), temperature=float(d.temperature),
-        top_k=int(d.top_k), seed=0, gamma=None if d.gamma is None else int(d.gamma),
-        gamma_max=int(d.gamma_max), draft_topk=int(d.draft_topk), fuse_topk=int(d.fuse_topk),
-        fusion=FusionConfig(weight=float(d.fusion_weight), confidence=str(d.confidence)),
-        deadline_ms=float(d.deadline_ms), timeout_s=float(d.timeout_s))
 
 
 def decode(msg: Message, context: Context, client) -> RecordDict:

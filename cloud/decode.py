@@ -55,8 +55,8 @@ class DecodeConfig:
     ``gamma``: fixed γ, or None to adapt within [gamma_min, gamma_max]; ``draft_topk``: the
     draft's sparse q size at temperature > 0; ``fuse_topk``: the cloud's top-k for fusion;
     ``fusion``: weights (see :class:`FusionConfig`); ``deadline_ms``: per-token deadline of
-    fusion (ms from request to answer); ``timeout_s``: a request unanswered this long means
-    the cloud is gone (s)."""
+    fusion (ms from request to answer); ``timeout_s``: a request unanswered this long (for
+    fusion: no answer at all for this long) means the cloud is gone (s)."""
     max_new_tokens: int = 64
     temperature: float = 0.0
     top_k: int = 0
@@ -83,6 +83,20 @@ class DecodeConfig:
             raise DecodeError("draft_topk must be in 1..255 and fuse_topk in 1..1024")
         if not self.deadline_ms > 0 or not self.timeout_s > 0:
             raise DecodeError("deadline_ms and timeout_s must be > 0")
+
+
+def decode_config(c) -> DecodeConfig:
+    """The :class:`DecodeConfig` of a ``cloud`` config group (``conf/cloud/default.yaml``).
+    Raises :class:`DecodeError` / ``ValueError`` for out-of-range settings."""
+    d = c.decode
+    if int(d.top_k) < 0:
+        raise DecodeError(f"cloud.decode.top_k must be >= 0, got {d.top_k}")
+    return DecodeConfig(
+        max_new_tokens=int(c.eval.max_new_tokens), temperature=float(d.temperature),
+        top_k=int(d.top_k), seed=0, gamma=None if d.gamma is None else int(d.gamma),
+        gamma_max=int(d.gamma_max), draft_topk=int(d.draft_topk), fuse_topk=int(d.fuse_topk),
+        fusion=FusionConfig(weight=float(d.fusion_weight), confidence=str(d.confidence)),
+        deadline_ms=float(d.deadline_ms), timeout_s=float(d.timeout_s))
 
 
 @dataclass
@@ -377,7 +391,7 @@ class Decoder:
         """Start a session on the link; answers to the previous session still in flight (a
         late fusion top-k) are skipped. Raises ``RemoteError`` if the cloud refuses."""
         self.link.send(P.Open(prompt, self.fingerprint, cfg.temperature, cfg.top_k, cfg.seed,
-                              cfg.max_new_tokens + P.MAX_GAMMA))
+                              cfg.max_new_tokens + cfg.gamma_max + 1))
         deadline = time.perf_counter() + cfg.timeout_s
         while True:
             msg = self.link.recv(timeout_s=max(deadline - time.perf_counter(), 0.0))
@@ -408,6 +422,10 @@ class Decoder:
     def _fallback(self, res: DecodeResult, exc: Exception, cfg, gen, committed: list[int]) -> None:
         res.fallback = (f"cloud unavailable after {len(res.tokens)} tokens "
                         f"({type(exc).__name__}: {exc}); the rest is edge only")
+        try:  # end the cloud session, so the link can open the next one
+            self.link.send(P.Close())
+        except (ConnectionError, OSError):
+            pass
         self.edge.rollback(len(committed))
         self._edge_only(None, cfg, gen, res)
 
@@ -539,8 +557,11 @@ class Decoder:
         committed = list(prompt)
         sent_len, unsent = len(prompt), []
         weights = []
+        last_answer = time.perf_counter()
         try:
             while len(res.tokens) < cfg.max_new_tokens:
+                if time.perf_counter() - last_answer > cfg.timeout_s:
+                    raise TimeoutError(f"no answer from the cloud for {cfg.timeout_s:g} s")
                 msg = P.Fuse(self._next_req(), sent_len, unsent, cfg.fuse_topk)
                 link.send(msg)
                 link.count_round_trip()
@@ -557,8 +578,10 @@ class Decoder:
                         got = link.recv(timeout_s=left)
                     except TimeoutError:
                         break
-                    if isinstance(got, P.TopK) and got.req == msg.req:
-                        reply = got  # older answers (late ones) are dropped
+                    if isinstance(got, P.TopK):
+                        last_answer = time.perf_counter()
+                        if got.req == msg.req:
+                            reply = got  # older answers (late ones) are dropped
                 if reply is None:
                     res.deadline_misses += 1
                     scores = torch.log_softmax(logits.double(), -1)
@@ -576,7 +599,7 @@ class Decoder:
                 committed.append(t)
                 unsent.append(t)
                 res.tokens.append(t)
-        except (ConnectionError, OSError, P.RemoteError) as exc:
+        except (ConnectionError, OSError, TimeoutError, P.RemoteError) as exc:
             self._fallback(res, exc, cfg, gen, committed)
         finally:
             res.edge_weight_mean = float(np.mean(weights)) if weights else None

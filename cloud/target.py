@@ -56,7 +56,10 @@ class TargetSession:
         self.temperature = float(temperature)
         self.top_k = int(top_k)
         self.max_new = int(max_new)
-        self.gen = torch.Generator().manual_seed(int(seed))
+        # its own stream: the device samples drafts from ``seed`` itself, and shared draws
+        # would correlate draft and acceptance (biasing the output distribution)
+        digest = hashlib.sha256(b"edgefuse/cloud-sampler/" + str(int(seed)).encode()).digest()
+        self.gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "big") >> 1)
         self.closed = False
 
     @property
@@ -96,7 +99,8 @@ def batched_forward(model, per: list, pasts: list[int], inputs: list[list[int]],
     left-padded to the longest, the inputs right-padded, and a 2-D attention mask hides
     both pads; positions continue each row's own length. When the batch holds 2 to
     ``min_rows - 1`` token rows in all, the inputs are padded to ``min_rows`` rows (pad
-    rows are never returned). A single row runs unpadded, exactly as alone.
+    rows are never returned). A single sequence gets no batch padding or mask (only that
+    row padding), so it computes exactly as alone.
 
     Args:
         model: a causal LM (``output="logits"``) or its decoder body
@@ -230,6 +234,8 @@ class Target:
             new = list(req.draft)
             if sess.temperature > 0 and new and np.shape(req.q_ids)[-1:] in ((0,), ()):
                 raise SessionError("protocol", "sampling session sent a draft without its q")
+            if np.size(req.q_ids):
+                self._check_ids(np.asarray(req.q_ids).reshape(-1).tolist())
         else:
             new = list(req.committed)
             if not 1 <= req.k <= min(P.MAX_TOPK, self.vocab_size):
@@ -263,10 +269,11 @@ class Target:
             logits, caches = self._forward([jobs[j][0] for j in live], inputs, pasts)
             for b, j in enumerate(live):
                 sess, req = jobs[j]
-                try:
+                try:  # one bad job never costs the others their answers
                     replies[j] = self._finish(sess, req, logits[b], caches[b])
-                except (SessionError, ValueError) as exc:
-                    replies[j] = P.Error(getattr(exc, "code", "protocol"), str(exc))
+                except Exception as exc:  # noqa: BLE001 - the session is left unchanged
+                    code = getattr(exc, "code", "protocol" if isinstance(exc, ValueError) else "internal")
+                    replies[j] = P.Error(code, f"{type(exc).__name__}: {exc}")
             self.batches += 1
             self.jobs += len(live)
         return replies  # type: ignore[return-value]

@@ -139,9 +139,12 @@ def _cloud(argv: list[str]) -> int:
         from cloud.decode import DecodeError
         from edgefuse.models import ModelFetchError, ModelSpecError
 
+        from cloud.protocol import RemoteError
+
         try:
             return run(args)
-        except (DecodeError, ModelSpecError, ModelFetchError, FileNotFoundError, ValueError) as e:
+        except (DecodeError, ModelSpecError, ModelFetchError, FileNotFoundError, ValueError,
+                RemoteError, RuntimeError) as e:  # RuntimeError: e.g. an adapter of another model
             print(f"edgefuse: {e}", file=sys.stderr)
             return 2
     if args.cmd == "health":

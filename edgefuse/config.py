@@ -132,6 +132,15 @@ def _validate_cloud(cfg: DictConfig, cloud: DictConfig) -> None:
         raise ConfigError("cloud.eval needs gsm8k_n > 0 or dolly_per_category > 0 (both >= 0)")
     if float(cloud.decode.temperature) < 0:
         raise ConfigError(f"cloud.decode.temperature must be >= 0, got {cloud.decode.temperature}")
+    from cloud.decode import decode_config
+
+    try:
+        decode_config(cloud)
+    except ValueError as e:  # DecodeError and FusionConfig's checks
+        raise ConfigError(f"cloud.decode: {e}") from None
+    if float(cloud.service.max_wait_ms) < 0 or int(cloud.devices) > int(cloud.service.max_sessions):
+        raise ConfigError("cloud.service.max_wait_ms must be >= 0 and cloud.devices <= "
+                          "cloud.service.max_sessions")
     if str(cloud.decode.confidence) not in ("entropy", "margin"):
         raise ConfigError(f"cloud.decode.confidence must be entropy or margin, got {cloud.decode.confidence!r}")
     if not 0 <= float(cloud.decode.fusion_weight) <= 1:

@@ -326,3 +326,27 @@ def test_draft_batcher_runs_simulated_devices_together_with_unchanged_outputs(pa
         t.join()
     assert got == alone
     assert batcher.rows == 3 * (1 + 10) and batcher.batches < batcher.rows  # prefill + 10 steps each
+
+
+def test_cloud_sampler_is_independent_of_the_device_seed():
+    """The device draws drafts from Generator(seed); the cloud's acceptance draws must come
+    from another stream, or draft and acceptance correlate and bias the output."""
+    from cloud.target import TargetSession
+
+    sess = TargetSession([1, 2], temperature=1.0, top_k=0, seed=7, max_new=4)
+    device = torch.Generator().manual_seed(7)
+    assert torch.rand(8, generator=sess.gen).tolist() != torch.rand(8, generator=device).tolist()
+
+
+def test_a_bad_job_does_not_cost_the_batch(pair):
+    """A VERIFY whose q names an id outside the vocabulary is refused; the other session in
+    the same batch gets its answer and moves on normally."""
+    draft, target, tok = pair
+    T = Target(target, tok, "t")
+    good = T.open(P.Open([5, 6, 7], T.fingerprint))
+    bad = T.open(P.Open([5, 6, 7], T.fingerprint, temperature=1.0))
+    q_ids = np.array([[10**7, 1]])
+    r_good, r_bad = T.step([(good, P.Verify(1, 3, [])),
+                            (bad, P.Verify(2, 3, [4], q_ids, np.array([[0.5, 0.5]])))])
+    assert isinstance(r_good, P.Verified) and len(good.tokens) == 4
+    assert isinstance(r_bad, P.Error) and r_bad.code == "protocol" and len(bad.tokens) == 3
