@@ -25,6 +25,7 @@ mode carries on edge-only and says so in :attr:`DecodeResult.fallback`.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -457,7 +458,8 @@ class Decoder:
         qp = np.zeros((len(draft), k), np.float16)
         for i, (a, b) in enumerate(zip(q_ids, q_probs)):
             used = set(a.tolist())
-            pad = [j for j in range(self.edge.vocab_size) if j not in used][: k - len(a)]
+            pad = list(itertools.islice((j for j in range(self.edge.vocab_size) if j not in used),
+                                        k - len(a)))
             qi[i] = np.concatenate([a, np.asarray(pad, np.int64)])  # zero-probability padding
             qp[i, :len(b)] = b
         return P.Verify(self._next_req(), base_len, draft, qi, qp)
