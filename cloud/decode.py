@@ -272,7 +272,7 @@ class EdgeLM:
         ids = torch.tensor([self.tokens[past:]])
         pos = torch.arange(past, len(self.tokens)).unsqueeze(0)
         out = self.model.get_decoder()(input_ids=ids, position_ids=pos, cache=self.cache, use_cache=True)
-        self.cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+        self.cache = out.cache
         return out.last_hidden_state[0, -1]
 
     @torch.no_grad()

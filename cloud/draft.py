@@ -162,11 +162,6 @@ def frequent_token_ids(tok, texts: Iterable[str], n: int,
 
 # ------------------------------------------------------------------ pruned LM head
 
-def _cache_of(out):
-    return getattr(out, "cache", None) if getattr(out, "cache", None) is not None \
-        else getattr(out, "past_key_values", None)
-
-
 class DraftHead:
     """The LM head of a causal LM restricted to ``keep_ids`` (all rows when None).
 
@@ -234,14 +229,14 @@ class DraftHead:
         return self._lut[token_ids]
 
     @torch.no_grad()
-    def forward_last(self, model, input_ids: torch.Tensor, past_key_values=None, **kwargs):
+    def forward_last(self, model, input_ids: torch.Tensor, cache=None, **kwargs):
         """Run the transformer body once (``model.model``) and the pruned head on the last
         position only (the ``T - 1`` other positions never touch the head).
 
         Args:
             model: the causal LM, or a :func:`shallow_model` view of it.
             input_ids: LongTensor ``[B, T]``: the tokens not yet in the cache.
-            past_key_values: the KV cache of the tokens before them (a transformers
+            cache: the KV cache of the tokens before them (a transformers
                 ``Cache``, updated in place), or None to start one.
             **kwargs: passed to the body (``attention_mask``, ``position_ids``).
 
@@ -249,11 +244,11 @@ class DraftHead:
             ``(logits [B, N], cache)``: logits over the kept ids at the last position, and
             the cache now holding the ``T`` new positions too.
         """
-        out = model.model(input_ids=input_ids, cache=past_key_values, use_cache=True, **kwargs)
-        return self.logits(out.last_hidden_state[:, -1:])[:, 0], _cache_of(out)
+        out = model.model(input_ids=input_ids, cache=cache, use_cache=True, **kwargs)
+        return self.logits(out.last_hidden_state[:, -1:])[:, 0], out.cache
 
     @torch.no_grad()
-    def propose(self, model, input_ids: torch.Tensor, past_key_values, gamma: int):
+    def propose(self, model, input_ids: torch.Tensor, cache, gamma: int):
         """Greedy draft of ``gamma`` tokens: feed ``input_ids`` ``[1, T]``, then each
         drafted token; the cache ends holding ``input_ids`` and all drafts but the last
         (crop it to the accepted length after verification).
@@ -261,7 +256,7 @@ class DraftHead:
         Returns:
             ``(drafted vocabulary ids: list[int] of length gamma, cache)``.
         """
-        out, x, cache = [], input_ids, past_key_values
+        out, x = [], input_ids
         for _ in range(gamma):
             logits, cache = self.forward_last(model, x, cache)
             tok = int(self.to_vocab(logits[0].argmax()))

@@ -85,8 +85,7 @@ def _kv(cache: DynamicCache | None, n_layers: int, length: int) -> list[tuple[to
 
 def cache_layers(out) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The ``(keys, values)`` of every layer of a forward output's cache."""
-    cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
-    return [(layer.keys, layer.values) for layer in cache.layers]
+    return [(layer.keys, layer.values) for layer in out.cache.layers]
 
 
 @torch.no_grad()
