@@ -22,6 +22,8 @@ from flwr.clientapp import ClientApp
 
 from client_app import c2c, decode as cloud_decode
 from client_app.local import LocalClient
+from edgefuse.lora import (MalformedUpdateError, adapter_nbytes, check_received_adapter,
+                           set_adapter_state, unpack_adapter)
 
 # peft calls a transformers property that transformers 5 deprecated; nothing to act on.
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
@@ -38,13 +40,33 @@ def _client(msg: Message, context: Context) -> LocalClient:
 
 
 def _load_adapter(client: LocalClient, msg: Message) -> int:
-    """Apply the adapter carried by ``msg`` (if any); return its payload bytes."""
+    """Apply the adapter carried by ``msg`` (if any); return its payload bytes.
+
+    The adapter is checked before use (:func:`edgefuse.lora.check_received_adapter`): its
+    group (``adapter_model`` / ``adapter_rank`` in the config, when the server sends them) is
+    this client's, the wire index is well formed, values are finite, and module set, shapes
+    and rank match this client's LoRA modules. On any failure nothing is applied (the model
+    keeps its previous adapter) and ``MalformedUpdateError`` ("adapter from the server
+    refused: ...") propagates, so Flower replies with an error whose reason says why.
+    """
     if "adapter" not in msg.content.array_records:
         client.reset_adapter()
         return 0
+    conf = msg.content["config"]
     arrays = {k: v.numpy() for k, v in msg.content["adapter"].items()}
-    index = str(msg.content["config"]["adapter_index"])
-    return client.set_packed_adapter(arrays, index)
+    index = str(conf["adapter_index"])
+    try:
+        state = unpack_adapter(arrays, index)
+    except MalformedUpdateError as e:
+        raise MalformedUpdateError(f"adapter from the server refused: {e}") from None
+    me = client.identity()
+    check_received_adapter(
+        state, client.slot["init"], model=me["model"], rank=me["lora_rank"],
+        alpha=me["lora_alpha"],
+        claimed_model=str(conf["adapter_model"]) if "adapter_model" in conf else None,
+        claimed_rank=int(conf["adapter_rank"]) if "adapter_rank" in conf else None)
+    set_adapter_state(client.slot["peft"], state)
+    return adapter_nbytes(arrays) + len(index.encode())
 
 
 @app.query("info")

@@ -29,7 +29,7 @@ from fusers.peer import (open_payloads, pack_frames, refine_prefill, share_answe
                          unpack_frames, answer_queries)
 from fusers.queries import Query
 from fusers.registry import (FuserCard, FuserRegistry, FuserVersionError, ModelVersion,
-                             adapter_hash, check_state, unpack_state)
+                             adapter_hash, check_received, unpack_state)
 
 KEY_RECORD = "c2c_key"
 _TOKENIZERS: dict = {}
@@ -87,9 +87,16 @@ def install_fusers(msg: Message, context: Context, client) -> dict:
     """Check every fuser in ``msg`` (records ``fuser.<sharer>``), then store them all and the
     gate; one refusal stores nothing.
 
+    Per fuser: its card parses and is self-consistent, it was trained for this receiver's
+    spec and adapter, the KV shapes are this model's, and (:func:`fusers.registry.check_received`)
+    it carries a registry save record, is for the sharer the message names, its config
+    hashes and its weights digest to what the card says.
+
     Raises:
-        FuserVersionError: a fuser trained for another receiver spec or adapter, a state
-            that does not match its card, or KV shapes that are not this model's.
+        FuserVersionError: a fuser trained for another receiver spec or adapter, or KV shapes
+            that are not this model's; as :class:`~fusers.registry.FuserIntegrityError`, a
+            card without a registry save record (unknown source), a card for another sharer,
+            or a config / state that does not match its card (tampered).
     """
     me = my_version(client)
     conf = msg.content["c2c"]
@@ -103,7 +110,7 @@ def install_fusers(msg: Message, context: Context, client) -> dict:
             raise FuserVersionError(f"fuser {card.version_id} was built for KV shapes "
                                     f"{meta['receiver_kv']}, this model has {mine.to_dict()}")
         arrays = {k: v.numpy() for k, v in msg.content[f"fuser.{sharer}"].items()}
-        check_state(unpack_state(arrays, meta["index"]), card)
+        check_received(card, unpack_state(arrays, meta["index"]), meta["config"], str(sharer))
         checked.append((sharer, meta))
     for sharer, meta in checked:  # all or nothing: store only once every fuser passed
         context.state[f"fuser.{sharer}"] = msg.content[f"fuser.{sharer}"]
@@ -116,10 +123,13 @@ def install_fusers(msg: Message, context: Context, client) -> dict:
 
 
 def load_fuser(context: Context, client, sharer: str) -> tuple[C2CFuser, FuserCard]:
-    """Rebuild an installed fuser; refused if this client's adapter changed since.
+    """Rebuild an installed fuser; refused if this client's adapter changed since, or if the
+    stored fuser no longer matches its card (checked again, as at install).
 
     Raises:
-        FuserVersionError: no fuser installed for ``sharer``, or a version mismatch.
+        FuserVersionError: no fuser installed for ``sharer``, or a version mismatch;
+            :class:`~fusers.registry.FuserIntegrityError` for a stored fuser that fails
+            :func:`fusers.registry.check_received`.
     """
     if f"fuser.{sharer}" not in context.state.array_records:
         raise FuserVersionError(f"no fuser installed for sharer {sharer!r}: the server must send "
@@ -129,6 +139,7 @@ def load_fuser(context: Context, client, sharer: str) -> tuple[C2CFuser, FuserCa
     FuserRegistry.check_compatible(card.version, card.version.sharer, my_version(client))
     arrays = {k: v.numpy() for k, v in context.state[f"fuser.{sharer}"].items()}
     state = unpack_state(arrays, meta["index"])
+    check_received(card, state, meta["config"], sharer)
     fuser = C2CFuser(kv_spec_from_config(client.slot["peft"].config),
                      KVSpec.from_dict(meta["sharer_kv"]), FuserConfig.from_dict(meta["config"]))
     fuser.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})

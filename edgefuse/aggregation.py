@@ -120,24 +120,54 @@ def module_shapes(state: dict[str, np.ndarray]) -> dict[str, tuple[int, int]]:
     return out
 
 
+def update_norm(state: dict[str, np.ndarray], rank: int, alpha: float) -> float:
+    """Frobenius norm of the adapter's whole update, all modules together::
+
+        sqrt(Σ_m ||s · B_m A_m||²_F),   s = alpha / rank
+
+    computed without forming ``B A``: ``||B A||²_F = Σ (BᵀB) ⊙ (A Aᵀ)`` (two ``r × r``
+    matrices, float64), so it is cheap even for large modules.
+
+    Raises:
+        MalformedUpdateError: a key that is not a LoRA A/B weight, or a module with only
+            one of A and B.
+    """
+    module_shapes(state)  # checks keys and A/B pairing
+    scale = float(alpha) / float(rank)
+    total = 0.0
+    for key in state:
+        module, part = split_key(key)
+        if part != "lora_A":
+            continue
+        a = np.asarray(state[key], dtype=np.float64)
+        b = np.asarray(state[module + B_SUFFIX], dtype=np.float64)
+        total += float(np.sum((b.T @ b) * (a @ a.T)))
+    return scale * math.sqrt(max(total, 0.0))
+
+
 def validate_update(
     update: ClientUpdate,
     expected_model: str,
     reference_shapes: dict[str, tuple[int, int]] | None,
+    max_norm: float | None = None,
 ) -> None:
-    """Check one client update before it is aggregated.
+    """Check one client update before it is aggregated (the server), or one adapter from the
+    server before it is applied (the client, :func:`edgefuse.lora.check_received_adapter`).
 
     Args:
         update: the received update.
         expected_model: the base-model group this update is aggregated into.
         reference_shapes: module name -> ``(out_features, in_features)`` as returned by
             :func:`module_shapes` on the group's reference state; ``None`` skips that check.
+        max_norm: bound on :func:`update_norm` (``privacy.max_update_norm``); ``None`` = no
+            bound. A malicious client cannot swamp the aggregate with one huge update.
 
     Raises:
         MalformedUpdateError: wrong model group, ``num_examples <= 0``, rank or alpha not
             positive, empty state, a non-float or non-2-D array, NaN or Inf, ``lora_A.shape[0]``
-            or ``lora_B.shape[1]`` different from ``rank``, a module with A but no B, or a
-            module set / module shape that differs from ``reference_shapes``.
+            or ``lora_B.shape[1]`` different from ``rank``, a module with A but no B, a
+            module set / module shape that differs from ``reference_shapes``, or an update
+            norm above ``max_norm``.
     """
     pid = update.partition_id
     if update.model != expected_model:
@@ -167,6 +197,12 @@ def validate_update(
                 f"client {pid}: {key} has shape {value.shape}, "
                 f"which does not match rank {update.rank}")
     shapes = module_shapes(update.state)
+    if max_norm is not None:
+        norm = update_norm(update.state, update.rank, update.alpha)
+        if not norm <= float(max_norm):
+            raise MalformedUpdateError(
+                f"client {pid}: update norm ||ΔW||_F = {norm:.4g} exceeds the bound "
+                f"privacy.max_update_norm = {float(max_norm):g}")
     if reference_shapes is None:
         return
     missing = sorted(set(reference_shapes) - set(shapes))

@@ -24,13 +24,14 @@ from peft import (
 from safetensors.numpy import save_file
 
 from edgefuse import packing
-from edgefuse.aggregation import MalformedUpdateError, module_shapes, split_key
+from edgefuse.aggregation import (ClientUpdate, MalformedUpdateError, module_shapes, split_key,
+                                  validate_update)
 from edgefuse.results import atomic_write_dir
 
 __all__ = [
     "MalformedUpdateError", "PEFT_PREFIX", "PARTS", "attach_lora", "get_adapter_state",
     "set_adapter_state", "pack_adapter", "unpack_adapter", "adapter_nbytes",
-    "save_peft_adapter", "lora_scaling",
+    "save_peft_adapter", "lora_scaling", "check_received_adapter",
 ]
 
 # Prefix of peft's keys, in get_peft_model_state_dict and in adapter_model.safetensors.
@@ -108,6 +109,42 @@ def set_adapter_state(peft_model, state: dict[str, np.ndarray]) -> None:
     result = set_peft_model_state_dict(peft_model, sd)
     if result.unexpected_keys:  # cannot happen after the checks above; guard anyway
         raise ValueError(f"peft rejected keys: {result.unexpected_keys[:3]}")
+
+
+def check_received_adapter(
+    state: dict[str, np.ndarray],
+    current: dict[str, np.ndarray],
+    *,
+    model: str,
+    rank: int,
+    alpha: float,
+    claimed_model: str | None = None,
+    claimed_rank: int | None = None,
+) -> None:
+    """Check an adapter received from the server before it replaces this client's own.
+
+    Checked (with :func:`edgefuse.aggregation.validate_update`, the server's check of client
+    updates): the group the server says the adapter belongs to (``claimed_model`` /
+    ``claimed_rank``, when sent) is this client's ``model`` / ``rank``; every tensor is a 2-D
+    float array of finite values (no NaN/Inf); every ``lora_A`` / ``lora_B`` has this
+    client's rank; the module set and each module's ``(out, in)`` shape equal those of
+    ``current`` (the adapter the client's model carries now). Nothing is changed here, so
+    the caller keeps its previous adapter when this raises.
+
+    Raises:
+        MalformedUpdateError: the first failed check, as ``adapter from the server refused:
+            <reason>``.
+    """
+    try:
+        if claimed_rank is not None and int(claimed_rank) != int(rank):
+            raise MalformedUpdateError(f"it is for LoRA rank {claimed_rank}, this client "
+                                       f"has rank {rank}")
+        upd = ClientUpdate(partition_id=-1, model=str(claimed_model or model), rank=int(rank),
+                           alpha=float(alpha), num_examples=1, state=state)
+        validate_update(upd, str(model), module_shapes(current))
+    except MalformedUpdateError as e:
+        reason = str(e).removeprefix("client -1: ")
+        raise MalformedUpdateError(f"adapter from the server refused: {reason}") from None
 
 
 def pack_adapter(state: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], str]:

@@ -40,6 +40,12 @@ results.json schema (an interface; keep stable)::
       "error": str|None
     }
 
+Private text: every file is written through :func:`write_json_csv`, which first passes the
+results through :func:`redact_results`: unless ``config.privacy.debug_text`` is true, the
+value of every :data:`TEXT_FIELDS` key (prompts, answers, references, generated text and
+token ids), anywhere outside ``config``, becomes a tag from :func:`scrub_text`. The
+in-memory results (console tables) are left as they are.
+
 Units: losses are mean cross-entropy in nats/token, perplexity is ``exp(loss)``,
 bytes are bytes (plots and tables show MB = 10**6 bytes), seconds are wall-clock
 seconds.
@@ -50,6 +56,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import csv
+import hashlib
+import hmac
 import io
 import json
 import logging
@@ -205,6 +213,60 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
     """
     text = json.dumps(to_jsonable(obj), indent=2, allow_nan=False, ensure_ascii=False)
     return atomic_write_text(path, text + "\n")
+
+
+# --------------------------------------------------------------------------- private text
+
+# Keys whose values are free text (or token ids of text) from prompts, answers and
+# generations; scrubbed wherever they appear in results outside ``config``.
+TEXT_FIELDS = frozenset({
+    "text", "texts", "prompt", "prompts", "question", "answer", "answers", "reference",
+    "references", "instruction", "context", "response", "hint", "hints", "completion",
+    "generation", "tokens", "canary", "original", "redacted", "rephrased",
+})
+_TAG_KEY = os.urandom(32)  # per process: tags compare within a run, cannot be dictionary-looked-up
+
+
+def scrub_text(value: Any, debug_text: bool = False) -> Any:
+    """``value`` itself when ``debug_text``; otherwise a tag that keeps no text.
+
+    A string becomes ``<text N chars hmac:xxxxxxxx>`` (N = its length; 8 hex of an
+    HMAC-SHA256 under a random per-process key, so equal texts of one run get equal tags but
+    a tag cannot be matched by hashing guesses); a list/tuple/dict (e.g. token ids) becomes
+    ``<data N items hmac:xxxxxxxx>`` over its JSON. ``None``, numbers and booleans (an
+    MMLU answer index) are returned unchanged.
+    """
+    if debug_text or value is None or isinstance(value, (bool, int, float)):
+        return value
+    if isinstance(value, str):
+        kind, size, data = "text", f"{len(value)} chars", value
+    else:
+        data = json.dumps(to_jsonable(value), sort_keys=True, ensure_ascii=False, default=str)
+        n = len(value) if hasattr(value, "__len__") else 1
+        kind, size = "data", f"{n} items"
+    tag = hmac.new(_TAG_KEY, data.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()[:8]
+    return f"<{kind} {size} hmac:{tag}>"
+
+
+def redact_results(results: Mapping, debug_text: bool | None = None) -> Mapping:
+    """``results`` with every :data:`TEXT_FIELDS` value (outside ``config``) scrubbed by
+    :func:`scrub_text`; a copy, the input is not changed. ``debug_text=None`` reads
+    ``results["config"]["privacy"]["debug_text"]`` (default false). With debug on, the
+    input is returned as is."""
+    if debug_text is None:
+        privacy = (results.get("config") or {}).get("privacy") or {}
+        debug_text = bool(privacy.get("debug_text", False)) if isinstance(privacy, Mapping) else False
+    if debug_text:
+        return results
+
+    def walk(obj: Any) -> Any:
+        if isinstance(obj, Mapping):
+            return {k: scrub_text(v) if k in TEXT_FIELDS else walk(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return [walk(v) for v in obj]
+        return obj
+
+    return {k: v if k == "config" else walk(v) for k, v in results.items()}
 
 
 # --------------------------------------------------------------------------- load
@@ -493,9 +555,13 @@ def decoding_table(results: Mapping) -> Table:
     return table
 
 
-def write_json_csv(out_dir: str | os.PathLike, results: Mapping) -> dict[str, Path]:
-    """Write results.json and results.csv into ``out_dir``; returns ``{"json", "csv"}`` paths."""
+def write_json_csv(out_dir: str | os.PathLike, results: Mapping,
+                   debug_text: bool | None = None) -> dict[str, Path]:
+    """Write results.json and results.csv (and the c2c / decoding CSVs) into ``out_dir``;
+    returns ``{"json", "csv", ...}`` paths. Free text is scrubbed first
+    (:func:`redact_results`; ``debug_text=None`` follows ``config.privacy.debug_text``)."""
     out_dir = Path(out_dir)
+    results = redact_results(results, debug_text)
     paths = {
         "json": atomic_write_json(out_dir / JSON_NAME, results),
         "csv": atomic_write_text(out_dir / CSV_NAME, csv_text(results)),

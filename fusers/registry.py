@@ -70,13 +70,15 @@ from edgefuse.aggregation import module_shapes, split_key
 __all__ = [
     "FORMAT_VERSION", "PACK_PART", "FuserCard", "FuserIntegrityError", "FuserRegistry",
     "FuserVersion", "FuserVersionError", "ModelVersion", "adapter_change", "adapter_hash",
-    "config_hash", "needs_retrain", "pack_state", "state_digest", "unpack_state",
+    "check_received", "config_hash", "needs_retrain", "pack_state", "state_digest",
+    "unpack_state",
 ]
 
 FORMAT_VERSION = 1       # of the saved folder; a card from a newer edgefuse is refused
 PACK_PART = "fuser"      # name of the one flat array pack_state returns
 WEIGHTS, CONFIG, CARD, LATEST = "fuser.safetensors", "config.json", "card.json", "latest"
 _ID = re.compile(r"^[0-9a-f]{16}$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _EPS = 1e-12
 
 
@@ -542,6 +544,37 @@ def check_state(state: dict, card: FuserCard) -> None:
     if digest != card.state_sha256:
         raise FuserIntegrityError(f"fuser state digest {digest[:16]}... differs from the card's "
                                   f"{card.state_sha256[:16]}...: corrupted or tampered; refusing it")
+
+
+def check_received(card: FuserCard, state: dict, config: dict, sharer_spec: str) -> None:
+    """Check a fuser received by wire (or rebuilt from a client's store) before it is used:
+    it must come from a registry save and be exactly what its card describes.
+
+    Checked: the card is a saved registry card (``weights_sha256`` and ``state_sha256`` are
+    64-hex sha256s, ``params > 0``, ``created`` set: :meth:`FuserRegistry.save` fills them, a
+    hand-made or foreign card has none); the card is for ``sharer_spec`` (the sharer the
+    message names, so a fuser cannot be installed for another sharer); ``config`` hashes to
+    the card's ``config_hash``; and the state's parameter count and digest equal the card's
+    (:func:`check_state`).
+
+    Raises:
+        FuserIntegrityError: the first failed check (the message says which).
+    """
+    if not (_SHA256.match(card.weights_sha256 or "") and _SHA256.match(card.state_sha256 or "")
+            and card.params > 0 and card.created):
+        raise FuserIntegrityError(f"fuser {card.version_id} has no registry save record "
+                                  "(sha256s, size, creation time): unknown source, refusing it")
+    if card.sharer_spec != sharer_spec:
+        raise FuserIntegrityError(f"fuser {card.version_id} is for sharer {card.sharer_spec!r} "
+                                  f"but was sent as the fuser of {sharer_spec!r}; refusing it")
+    try:
+        got = config_hash(config)
+    except ValueError as e:
+        raise FuserIntegrityError(f"fuser {card.version_id}: {e}") from None
+    if got != card.config_hash:
+        raise FuserIntegrityError(f"fuser {card.version_id}: its config hashes to {got}, the "
+                                  f"card says {card.config_hash}: config altered; refusing it")
+    check_state(state, card)
 
 
 # ------------------------------------------------------------------------- wire packing

@@ -14,7 +14,7 @@ from logging import WARNING
 
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.common.logger import log
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from edgefuse.aggregation import (ClientUpdate, GroupResult, MalformedUpdateError,
                                   aggregate_group, flexlora, module_shapes, validate_update)
@@ -47,11 +47,17 @@ class GroupedLoRA:
 
     def __post_init__(self):
         self.cfg_json = to_json(self.cfg)
+        bound = OmegaConf.select(self.cfg, "privacy.max_update_norm", default=None)
+        self.max_update_norm = None if bound is None else float(bound)
 
     # -- messages -----------------------------------------------------------------
-    def content(self, round_idx: int, state: dict | None) -> tuple[RecordDict, int]:
+    def content(self, round_idx: int, state: dict | None,
+                node: NodeInfo | None = None) -> tuple[RecordDict, int]:
         """Message content: the config, and the packed adapter when ``state`` is given;
-        plus the adapter's payload bytes (arrays + index)."""
+        plus the adapter's payload bytes (arrays + index).
+
+        With ``node``, the adapter's group (``adapter_model``, ``adapter_rank``: the node's
+        model and rank) travels too, and the client refuses an adapter of another group."""
         config = {"cfg": self.cfg_json, "round": round_idx}
         content = RecordDict()
         nbytes = 0
@@ -59,6 +65,9 @@ class GroupedLoRA:
             arrays, index = pack_adapter(state)
             content["adapter"] = ArrayRecord({k: Array(v) for k, v in arrays.items()})
             config["adapter_index"] = index
+            if node is not None:
+                config["adapter_model"] = node.model
+                config["adapter_rank"] = int(node.lora_rank)
             nbytes = adapter_nbytes(arrays) + len(index.encode())
         content["config"] = ConfigRecord(config)
         return content, nbytes
@@ -107,7 +116,7 @@ class GroupedLoRA:
         """One message per identified node, each with its own adapter; and bytes per node."""
         msgs, nbytes = [], {}
         for node in self.nodes.values():
-            content, nbytes[node.node_id] = self.content(round_idx, self.client_state(node))
+            content, nbytes[node.node_id] = self.content(round_idx, self.client_state(node), node)
             msgs.append(Message(content, dst_node_id=node.node_id, message_type=message_type))
         return msgs, nbytes
 
@@ -149,7 +158,8 @@ class GroupedLoRA:
                            num_examples=int(metrics["num_examples"]),
                            train_seconds=float(metrics.get("train_seconds", 0.0)),
                            load_seconds=float(metrics.get("load_seconds", 0.0)))
-                validate_update(upd, node.model, self.shapes.get(node.model))
+                validate_update(upd, node.model, self.shapes.get(node.model),
+                                max_norm=self.max_update_norm)
             except (MalformedUpdateError, KeyError, TypeError, ValueError) as e:
                 row.update(status="rejected", reason=str(e))
                 log(WARNING, "round %d: rejected the update of partition %d: %s", round_idx,

@@ -23,10 +23,16 @@ A receiver accepts exactly the next sequence number: older authentic frames rais
 :class:`ReplayError`, newer ones :class:`ReorderError` (one ordered stream, e.g. TCP, carries
 the frames, so a gap means something was dropped or reordered). Any rejected frame leaves the
 session unchanged, so the next genuine frame still opens.
+
+Secrets: the private key, the X25519 shared secret and the two derived AES keys are never
+stored as readable attributes, and neither ``repr``/``str`` of :class:`KeyPair` nor of
+:class:`SecureSession` shows them (a key pair shows an 8-hex fingerprint of its *public* key,
+a session its role, session-id fingerprint and counters). Nothing in this module logs.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 import threading
@@ -80,8 +86,16 @@ class TamperedFrameError(FrameError):
     """The AES-GCM tag did not verify: altered bytes, wrong key, or another session's frame."""
 
 
+def _fingerprint(data: bytes) -> str:
+    """First 8 hex chars of sha256(data): names a public value without printing it."""
+    return hashlib.sha256(data).hexdigest()[:8]
+
+
 class KeyPair:
-    """An X25519 key pair (RFC 7748). Keep one per handshake; the private key never leaves."""
+    """An X25519 key pair (RFC 7748). Keep one per handshake; the private key never leaves.
+
+    ``repr``/``str`` show only a fingerprint of the public key.
+    """
 
     def __init__(self, private_key: X25519PrivateKey):
         self._private = private_key
@@ -92,6 +106,11 @@ class KeyPair:
     def public_bytes(self) -> bytes:
         """The raw 32-byte public key to send to the peer."""
         return self._public
+
+    def __repr__(self) -> str:
+        return f"KeyPair(public_fp={_fingerprint(self._public)})"
+
+    __str__ = __repr__
 
     def exchange(self, peer_public: bytes) -> bytes:
         """The 32-byte X25519 shared secret with ``peer_public``; raises :class:`HandshakeError`."""
@@ -176,6 +195,9 @@ class SecureSession:
     ``bytes_sent`` / ``frames_sent`` count every sealed frame; ``bytes_received`` /
     ``frames_received`` count accepted frames only; ``frames_rejected`` counts the rest.
     ``seal`` and ``open`` are thread-safe.
+
+    The AES keys live only inside the two AES-GCM objects; ``repr``/``str`` show the role,
+    a session-id fingerprint and the counters, never key bytes.
     """
 
     def __init__(self, session_id: bytes, initiator: bool, send_key: bytes, recv_key: bytes):
@@ -194,6 +216,14 @@ class SecureSession:
         self.frames_sent = 0
         self.frames_received = 0
         self.frames_rejected = 0
+
+    def __repr__(self) -> str:
+        role = "initiator" if self.initiator else "responder"
+        return (f"SecureSession({role}, session_fp={_fingerprint(self.session_id)}, "
+                f"sent={self.frames_sent}, received={self.frames_received}, "
+                f"rejected={self.frames_rejected})")
+
+    __str__ = __repr__
 
     @property
     def next_send_seq(self) -> int:
@@ -249,7 +279,7 @@ class SecureSession:
             except FrameError:
                 self.frames_rejected += 1
                 raise
-            self._next_recv_seq += 1
+            self._next_recv_seq += 1  # after seq MAX_SEQ no frame can match: stream is spent
             self.bytes_received += len(frame)
             self.frames_received += 1
             return plaintext
