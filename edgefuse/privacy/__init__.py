@@ -1,0 +1,1 @@
+"""Privacy on the device: PII redaction (Presidio + spaCy), SLM rephrasing, protection modes."""
