@@ -21,6 +21,15 @@ Modes (``MODES``):
 Speculative modes are lossless: greedy output equals ``cloud``'s token for token and
 sampled output has the target's distribution. If the cloud goes away mid-generation every
 mode carries on edge-only and says so in :attr:`DecodeResult.fallback`.
+
+Every link mode runs under :attr:`DecodeConfig.auth`, the endpoint-authorized cache control
+(flagCache, LCache) of the edge–cloud seed design (:class:`cloud.protocol.CloudAuth`): the
+OPEN and every request carry the tuple, the device mirrors what the cloud holds
+(``auth.held``) and re-sends as ``context`` what the request's window (``auth.window``)
+needs beyond it (with ``flag_cache`` off: the last ``l_cache`` committed tokens, or all of
+them, every request). Under a window the cloud's model is the target restricted to the last
+``l_cache`` tokens before each position, so ``cloud`` and greedy ``spec_*`` still agree
+token for token.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ from transformers import DynamicCache
 
 from . import protocol as P
 from .fusion import FusionConfig, fuse
+from .protocol import CloudAuth
 from .speculative import GammaController, draft_q, sample_sparse, sparse_q
 from .target import batched_forward, cache_from_layers
 
@@ -57,7 +67,8 @@ class DecodeConfig:
     draft's sparse q size at temperature > 0; ``fuse_topk``: the cloud's top-k for fusion;
     ``fusion``: weights (see :class:`FusionConfig`); ``deadline_ms``: per-token deadline of
     fusion (ms from request to answer); ``timeout_s``: a request unanswered this long (for
-    fusion: no answer at all for this long) means the cloud is gone (s)."""
+    fusion: no answer at all for this long) means the cloud is gone (s); ``auth``: the
+    cloud cache tuple (flagCache, LCache) every request carries (default: keep all)."""
     max_new_tokens: int = 64
     temperature: float = 0.0
     top_k: int = 0
@@ -70,8 +81,11 @@ class DecodeConfig:
     fusion: FusionConfig = field(default_factory=FusionConfig)
     deadline_ms: float = 1000.0
     timeout_s: float = 60.0
+    auth: CloudAuth = field(default_factory=CloudAuth)
 
     def __post_init__(self):
+        if not isinstance(self.auth, CloudAuth):
+            raise DecodeError(f"auth must be a CloudAuth, got {type(self.auth).__name__}")
         if self.max_new_tokens < 1:
             raise DecodeError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not self.temperature >= 0:
@@ -86,8 +100,25 @@ class DecodeConfig:
             raise DecodeError("deadline_ms and timeout_s must be > 0")
 
 
-def decode_config(c) -> DecodeConfig:
-    """The :class:`DecodeConfig` of a ``cloud`` config group (``conf/cloud/default.yaml``).
+def auth_from_config(privacy_cfg) -> CloudAuth:
+    """The cloud cache tuple of a ``privacy`` config group (``privacy.cloud_auth.{flag_cache,
+    l_cache}``, ``conf/privacy/default.yaml``; l_cache null = unlimited); a group without
+    ``cloud_auth`` gives the default (keep all). Raises :class:`DecodeError` for values of
+    the wrong type or range."""
+    ca = privacy_cfg.get("cloud_auth") if hasattr(privacy_cfg, "get") else \
+        getattr(privacy_cfg, "cloud_auth", None)
+    if ca is None:
+        return CloudAuth()
+    get = ca.get if hasattr(ca, "get") else (lambda k, d=None: getattr(ca, k, d))
+    try:
+        return CloudAuth(get("flag_cache", True), get("l_cache", None))
+    except P.ProtocolError as exc:
+        raise DecodeError(f"privacy.cloud_auth: {exc}") from None
+
+
+def decode_config(c, auth: CloudAuth | None = None) -> DecodeConfig:
+    """The :class:`DecodeConfig` of a ``cloud`` config group (``conf/cloud/default.yaml``),
+    with the cloud cache tuple ``auth`` (None = keep all; see :func:`auth_from_config`).
     Raises :class:`DecodeError` / ``ValueError`` for out-of-range settings."""
     d = c.decode
     if int(d.top_k) < 0:
@@ -97,7 +128,8 @@ def decode_config(c) -> DecodeConfig:
         top_k=int(d.top_k), seed=0, gamma=None if d.gamma is None else int(d.gamma),
         gamma_max=int(d.gamma_max), draft_topk=int(d.draft_topk), fuse_topk=int(d.fuse_topk),
         fusion=FusionConfig(weight=float(d.fusion_weight), confidence=str(d.confidence)),
-        deadline_ms=float(d.deadline_ms), timeout_s=float(d.timeout_s))
+        deadline_ms=float(d.deadline_ms), timeout_s=float(d.timeout_s),
+        auth=auth if auth is not None else CloudAuth())
 
 
 @dataclass
@@ -336,6 +368,7 @@ class Decoder:
         self.draft_ms = 50.0
         self.verify_ms = 100.0
         self._req = 0
+        self._held = 0  # mirror: committed tokens the cloud holds after the last request
 
     # -- public ----------------------------------------------------------------------
 
@@ -344,7 +377,8 @@ class Decoder:
 
         Raises :class:`DecodeError` for an unknown mode or a link mode without a link, and
         :class:`cloud.protocol.RemoteError` when the cloud refuses the session (``fingerprint``:
-        another tokenizer; ``context``: too long). A cloud that is unreachable, busy, or fails
+        another tokenizer; ``context``: too long). The cloud sees only what ``cfg.auth``
+        lets it keep and attend to. A cloud that is unreachable, busy, or fails
         mid-way does not raise: the rest is edge-only (``fallback`` says so)."""
         if mode not in MODES:
             raise DecodeError(f"unknown decoding mode {mode!r}; choose from {', '.join(MODES)}")
@@ -389,10 +423,15 @@ class Decoder:
         return res
 
     def _open(self, prompt: list[int], cfg: DecodeConfig) -> None:
-        """Start a session on the link; answers to the previous session still in flight (a
-        late fusion top-k) are skipped. Raises ``RemoteError`` if the cloud refuses."""
-        self.link.send(P.Open(prompt, self.fingerprint, cfg.temperature, cfg.top_k, cfg.seed,
-                              cfg.max_new_tokens + cfg.gamma_max + 1))
+        """Start a session on the link, sending only the prompt ids the cloud may keep
+        (``cfg.auth.held``; the others count as ``offset``); answers to the previous session
+        still in flight (a late fusion top-k) are skipped. Raises ``RemoteError`` if the
+        cloud refuses."""
+        keep = cfg.auth.held(len(prompt))
+        self.link.send(P.Open(list(prompt[len(prompt) - keep:]), self.fingerprint, cfg.temperature,
+                              cfg.top_k, cfg.seed, cfg.max_new_tokens + cfg.gamma_max + 1,
+                              auth=cfg.auth, offset=len(prompt) - keep))
+        self._held = keep
         deadline = time.perf_counter() + cfg.timeout_s
         while True:
             msg = self.link.recv(timeout_s=max(deadline - time.perf_counter(), 0.0))
@@ -450,9 +489,18 @@ class Decoder:
             self.draft_ms = 0.7 * self.draft_ms + 0.3 * ms
         return ids, q_ids, q_probs, ms
 
-    def _verify_msg(self, base_len: int, draft, q_ids, q_probs, cfg) -> P.Verify:
+    def _context(self, committed: list[int], base_len: int, cfg) -> list[int]:
+        """The ids a request on top of ``committed[:base_len]`` re-sends: what its window
+        (``cfg.auth.window``) needs beyond the ``self._held`` the cloud holds (the device's
+        mirror of the cloud's rule, :class:`cloud.protocol.CloudAuth`)."""
+        need = cfg.auth.window(base_len)
+        return list(committed[base_len - need:base_len - self._held]) if need > self._held else []
+
+    def _verify_msg(self, committed: list[int], draft, q_ids, q_probs, cfg) -> P.Verify:
+        base_len = len(committed)
+        ctx = dict(auth=cfg.auth, context=self._context(committed, base_len, cfg))
         if cfg.temperature == 0 or not draft:
-            return P.Verify(self._next_req(), base_len, draft)
+            return P.Verify(self._next_req(), base_len, draft, **ctx)
         k = max(len(q) for q in q_ids)
         qi = np.zeros((len(draft), k), np.int64)
         qp = np.zeros((len(draft), k), np.float16)
@@ -462,7 +510,7 @@ class Decoder:
                                         k - len(a)))
             qi[i] = np.concatenate([a, np.asarray(pad, np.int64)])  # zero-probability padding
             qp[i, :len(b)] = b
-        return P.Verify(self._next_req(), base_len, draft, qi, qp)
+        return P.Verify(self._next_req(), base_len, draft, qi, qp, **ctx)
 
     def _commit(self, res, committed, draft, n, token, cfg, sync_edge: bool = True) -> bool:
         """Apply a VERIFIED answer (the edge rolls back to it unless ``sync_edge`` is False);
@@ -475,6 +523,7 @@ class Decoder:
             self.edge.rollback(len(committed) + n)
             self.edge.push(int(token))
         committed.extend(new)
+        self._held = cfg.auth.held(len(committed))
         kept, done = _stop(res.tokens + new, self.edge.eos_ids, cfg.max_new_tokens)
         res.tokens[:] = kept
         return done
@@ -486,7 +535,7 @@ class Decoder:
             left = cfg.max_new_tokens - len(res.tokens)
             g = min(ctl.choose(self.draft_ms, self.rtt_ms, self.verify_ms), max(left - 1, 0))
             draft, q_ids, q_probs, _ = self._draft(g, cfg, gen)
-            msg = self._verify_msg(len(committed), draft, q_ids, q_probs, cfg)
+            msg = self._verify_msg(committed, draft, q_ids, q_probs, cfg)
             t0 = time.perf_counter()
             try:
                 reply = self.link.request(msg, timeout_s=cfg.timeout_s)
@@ -512,7 +561,7 @@ class Decoder:
         draft, q_ids, q_probs, _ = self._draft(g, cfg, gen)
         try:
             while True:
-                msg = self._verify_msg(len(committed), draft, q_ids, q_probs, cfg)
+                msg = self._verify_msg(committed, draft, q_ids, q_probs, cfg)
                 link.send(msg)
                 link.count_round_trip()
                 sent = time.perf_counter()
@@ -564,12 +613,14 @@ class Decoder:
             while len(res.tokens) < cfg.max_new_tokens:
                 if time.perf_counter() - last_answer > cfg.timeout_s:
                     raise TimeoutError(f"no answer from the cloud for {cfg.timeout_s:g} s")
-                msg = P.Fuse(self._next_req(), sent_len, unsent, cfg.fuse_topk)
+                msg = P.Fuse(self._next_req(), sent_len, unsent, cfg.fuse_topk, auth=cfg.auth,
+                             context=self._context(committed, sent_len, cfg))
                 link.send(msg)
                 link.count_round_trip()
                 deadline = time.perf_counter() + cfg.deadline_ms / 1000
                 sent_len += len(unsent)
                 unsent = []
+                self._held = cfg.auth.held(sent_len)  # the cloud answers FUSEs in order
                 logits = e.logits()  # computed while the request is in flight
                 reply = None
                 while reply is None:

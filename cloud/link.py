@@ -206,18 +206,41 @@ class CloudLink:
 
     def open(self, prompt: list[int], fingerprint: str, temperature: float = 0.0,
              top_k: int = 0, seed: int = 0, max_new: int = 256,
-             timeout_s: float | None = 60.0) -> P.Opened:
-        """OPEN a session (prefill ``prompt`` at the cloud); returns the cloud's
-        :class:`Opened`. Raises :class:`cloud.protocol.RemoteError` (``busy``,
-        ``fingerprint``, ``context``, …), ``TimeoutError``, :class:`CloudUnavailable`,
+             timeout_s: float | None = 60.0, auth: P.CloudAuth | None = None) -> P.Opened:
+        """OPEN a session (prefill ``prompt`` at the cloud) under the cache tuple ``auth``
+        (None = keep everything); only the last ``auth.held(len(prompt))`` prompt ids are
+        sent, the rest is counted as ``offset``. Returns the cloud's :class:`Opened`.
+        Raises :class:`cloud.protocol.RemoteError` (``busy``, ``fingerprint``, ``context``,
+        …), ``TimeoutError``, :class:`CloudUnavailable`,
         :class:`cloud.protocol.ProtocolError` for an unexpected answer."""
-        reply = self.request(P.Open(prompt=[int(t) for t in prompt], fingerprint=fingerprint,
+        auth = auth if auth is not None else P.CloudAuth()
+        prompt = [int(t) for t in prompt]
+        keep = auth.held(len(prompt))
+        reply = self.request(P.Open(prompt=prompt[len(prompt) - keep:], fingerprint=fingerprint,
                                     temperature=float(temperature), top_k=int(top_k),
-                                    seed=int(seed), max_new=int(max_new)), timeout_s)
+                                    seed=int(seed), max_new=int(max_new), auth=auth,
+                                    offset=len(prompt) - keep), timeout_s)
         if not isinstance(reply, P.Opened):
             raise P.ProtocolError(f"expected OPENED, got {type(reply).__name__}")
         self.opened = reply
         return reply
+
+    def authorize(self, auth: P.CloudAuth, timeout_s: float | None = 60.0) -> int:
+        """Send AUTH: the open session's cache tuple becomes ``auth`` (the endpoint-authorized
+        cache control (flagCache, LCache) of the edge–cloud seed design). The cloud evicts
+        what ``auth`` no longer allows before it answers; ``P.REVOKE`` = AUTH(False, 0)
+        drops everything. Answers to earlier requests still unread are skipped (the cloud
+        answers in order). Returns the committed tokens the cloud holds now.
+        Raises :class:`cloud.protocol.RemoteError` (``protocol``: no open session; also an
+        ERROR answering an earlier request), ``TimeoutError``, :class:`CloudUnavailable`."""
+        self.round_trips += 1
+        self.send(P.Auth(auth))
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            reply = self.recv(left)
+            if isinstance(reply, P.Authed):
+                return int(reply.held)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Send CLOSE (after every queued message, honouring the WAN delay, waiting at most

@@ -8,21 +8,56 @@ length followed by that many bytes. The first two messages are the cleartext han
 Plaintext layout: 1 type byte, then the body (integers big-endian, token ids int32,
 probabilities float16)::
 
-    OPEN      device→cloud  u16 len ‖ JSON {fingerprint, temperature, top_k, seed, max_new}
-                            ‖ int32[n] prompt ids
-    VERIFY    device→cloud  u32 req ‖ u32 base_len ‖ u8 γ ‖ int32[γ] draft ids
+    OPEN      device→cloud  u16 len ‖ JSON {fingerprint, temperature, top_k, seed, max_new,
+                            flag_cache, l_cache, offset} ‖ int32[n] prompt ids
+    VERIFY    device→cloud  u32 req ‖ u32 base_len ‖ AUTH5 ‖ u32 c ‖ int32[c] context
+                            ‖ u8 γ ‖ int32[γ] draft ids
                             ‖ u8 kq ‖ γ × (int32[kq] ids ‖ f16[kq] q-probs)   (kq = 0: greedy)
-    FUSE      device→cloud  u32 req ‖ u32 base_len ‖ u8 m ‖ int32[m] committed ids ‖ u16 k
+    FUSE      device→cloud  u32 req ‖ u32 base_len ‖ AUTH5 ‖ u32 c ‖ int32[c] context
+                            ‖ u8 m ‖ int32[m] committed ids ‖ u16 k
+    AUTH      device→cloud  AUTH5
     CLOSE     device→cloud  (empty)
     OPENED    cloud→device  u16 len ‖ JSON {model, fingerprint, context_len}
     VERIFIED  cloud→device  u32 req ‖ u8 accepted ‖ int32 token
     TOPK      cloud→device  u32 req ‖ u16 k ‖ int32[k] ids ‖ uint8[k] q ‖ f16 top ‖ f16 scale
                             ‖ f16 tail
+    AUTHED    cloud→device  u32 held   (committed tokens the cloud holds after the AUTH)
     ERROR     cloud→device  u16 len ‖ JSON {code, message}
 
-``base_len`` is the number of tokens (prompt + generated) the device has committed; the
-cloud refuses a request whose ``base_len`` differs from its own count (:class:`SyncError`),
-so a lost or duplicated request can never silently desynchronize the two caches.
+    AUTH5 = u8 flag_cache (0 | 1) ‖ u32 l_cache (0xFFFFFFFF = unlimited)
+
+``base_len`` is the number of tokens (prompt + generated) the device has committed, counted
+from the start of the session whatever the cloud has evicted; the cloud refuses a request
+whose ``base_len`` differs from its own count (:class:`SyncError`), so a lost or duplicated
+request can never silently desynchronize the two sides.
+
+Cache authorization — the endpoint-authorized cache control (flagCache, LCache) of the
+edge–cloud seed design (:class:`CloudAuth`): OPEN, VERIFY and FUSE each carry the device's
+tuple, and AUTH changes it between requests (answered by AUTHED). The rule, one place
+(:meth:`CloudAuth.window` / :meth:`CloudAuth.held`), mirrored exactly by both ends:
+
+- a request with ``base_len`` = B needs the last ``window(B)`` = min(l_cache, B) committed
+  tokens (all B when unlimited), followed by its own new ids (VERIFY: the drafts; FUSE: the
+  ``m`` newly committed ids); each score it returns (every drafted position of a VERIFY,
+  the next token of a FUSE) conditions on at most the last l_cache ids before that
+  position, with positions counted from 0 at that window's first id — the target
+  restricted to an l_cache window, so speculative decoding stays lossless with respect to
+  it and a session equals one opened over just its window;
+- between requests the cloud keeps the ids and KV cache of the last ``held(n)`` committed
+  tokens: min(l_cache, n) when ``flag_cache``, none otherwise (evicted right after each
+  reply, or at once on an AUTH that shrinks or revokes: AUTH(flag_cache=0, l_cache=0));
+- a request's ``context`` are the ids just before the held ones that the window needs and
+  the cloud does not hold (always the whole window when ``flag_cache`` is 0); held +
+  context must be the window exactly: fewer is refused with ERROR ``evicted`` (the cloud
+  never decodes silently without the authorized context), more with ERROR ``protocol``;
+- a request's tuple takes effect first (a shrink evicts even if the request is then
+  refused); under l_cache = 0 nothing can be scored, so requests get ERROR ``protocol``
+  until a later tuple authorizes a window again (its context re-sent);
+- OPEN's ``offset`` counts committed tokens before ``prompt`` that the device does not send
+  (those outside what the cloud may hold), so ``base_len`` stays absolute.
+
+A tuple that does not parse (flag byte not 0/1, JSON values of the wrong type or range) is a
+:class:`ProtocolError`, answered with ERROR ``protocol``.
 
 VERIFY (speculative decoding, Leviathan et al. 2023, "Fast Inference from Transformers via
 Speculative Decoding"): the cloud scores the γ drafted tokens in one forward pass and
@@ -51,12 +86,14 @@ MAGIC_HEALTH = b"EFH1"  # a health probe: the cloud answers one cleartext JSON s
 LENGTH_PREFIX_BYTES = 4
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
-OPEN, VERIFY, FUSE, CLOSE = 1, 2, 3, 4
-OPENED, VERIFIED, TOPK, ERROR = 101, 102, 103, 127
-TYPE_NAMES = {OPEN: "OPEN", VERIFY: "VERIFY", FUSE: "FUSE", CLOSE: "CLOSE", OPENED: "OPENED",
-              VERIFIED: "VERIFIED", TOPK: "TOPK", ERROR: "ERROR"}
+OPEN, VERIFY, FUSE, CLOSE, AUTH = 1, 2, 3, 4, 5
+OPENED, VERIFIED, TOPK, AUTHED, ERROR = 101, 102, 103, 104, 127
+TYPE_NAMES = {OPEN: "OPEN", VERIFY: "VERIFY", FUSE: "FUSE", CLOSE: "CLOSE", AUTH: "AUTH",
+              OPENED: "OPENED", VERIFIED: "VERIFIED", TOPK: "TOPK", AUTHED: "AUTHED",
+              ERROR: "ERROR"}
 MAX_GAMMA = 255
 MAX_TOPK = 1024
+L_UNLIMITED = 0xFFFFFFFF  # l_cache on the wire for "no limit"
 
 
 class ProtocolError(ValueError):
@@ -69,7 +106,7 @@ class SyncError(ProtocolError):
 
 class RemoteError(RuntimeError):
     """The cloud answered ERROR; ``code`` names the reason (``sync``, ``protocol``, ``busy``,
-    ``fingerprint``, ``context``, ``internal``)."""
+    ``fingerprint``, ``context``, ``evicted``, ``internal``)."""
 
     def __init__(self, code: str, message: str):
         super().__init__(f"cloud error [{code}]: {message}")
@@ -77,15 +114,57 @@ class RemoteError(RuntimeError):
         self.message = message
 
 
+@dataclass(frozen=True)
+class CloudAuth:
+    """The endpoint-authorized cache control (flagCache, LCache) of the edge–cloud seed
+    design: what of a device's past the cloud may keep and attend to.
+
+    ``flag_cache``: whether the cloud may keep ids and KV cache between requests (False:
+    it evicts everything right after each reply, and each request re-sends its context);
+    ``l_cache``: the most committed tokens (counted from the newest) the cloud may keep and
+    attend to, None = unlimited. On the wire: u8 flag ‖ u32 l_cache, 0xFFFFFFFF = None.
+    Raises :class:`ProtocolError` for values out of range (a non-bool flag, l_cache not
+    None and not an int in 0..0xFFFFFFFE). Revocation is ``CloudAuth(False, 0)``."""
+    flag_cache: bool = True
+    l_cache: int | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.flag_cache, (bool, np.bool_)):
+            raise ProtocolError(f"flag_cache must be a bool, got {self.flag_cache!r}")
+        object.__setattr__(self, "flag_cache", bool(self.flag_cache))
+        lc = self.l_cache
+        if lc is not None:
+            if isinstance(lc, (bool, np.bool_)) or not isinstance(lc, (int, np.integer)) \
+                    or not 0 <= int(lc) < L_UNLIMITED:
+                raise ProtocolError(f"l_cache must be None or an int in 0..{L_UNLIMITED - 1}, "
+                                    f"got {lc!r}")
+            object.__setattr__(self, "l_cache", int(lc))
+
+    def window(self, n: int) -> int:
+        """How many of ``n`` committed tokens (the newest) a request may attend to."""
+        return n if self.l_cache is None else min(self.l_cache, n)
+
+    def held(self, n: int) -> int:
+        """How many of ``n`` committed tokens (the newest) the cloud keeps between requests."""
+        return self.window(n) if self.flag_cache else 0
+
+
+REVOKE = CloudAuth(False, 0)
+
+
 @dataclass
 class Open:
-    """Start a session: the tokenizer fingerprint, sampling settings and the prompt ids."""
+    """Start a session: the tokenizer fingerprint, sampling settings, the prompt ids, the
+    cache tuple ``auth`` and ``offset`` (committed tokens before ``prompt`` the device does
+    not send, counted in ``base_len``; normally ``n - auth.held(n)`` of an n-token prompt)."""
     prompt: list[int]
     fingerprint: str
     temperature: float = 0.0
     top_k: int = 0
     seed: int = 0
     max_new: int = 256
+    auth: CloudAuth = field(default_factory=CloudAuth)
+    offset: int = 0
 
 
 @dataclass
@@ -93,21 +172,39 @@ class Verify:
     """Verify ``draft`` (γ ids) on top of ``base_len`` committed tokens.
 
     ``q_ids`` / ``q_probs``: per drafted position the draft's sparse distribution
-    (``γ × kq``), empty for greedy decoding."""
+    (``γ × kq``), empty for greedy decoding. ``auth``: the cache tuple; ``context``: ids
+    just before the ones the cloud holds that the authorized window needs (re-sent)."""
     req: int
     base_len: int
     draft: list[int]
     q_ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int32))
     q_probs: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float16))
+    auth: CloudAuth = field(default_factory=CloudAuth)
+    context: list[int] = field(default_factory=list)
 
 
 @dataclass
 class Fuse:
-    """Append ``committed`` (ids since the last request) and ask for the top-``k``."""
+    """Append ``committed`` (ids since the last request) and ask for the top-``k``;
+    ``auth`` / ``context`` as for :class:`Verify`."""
     req: int
     base_len: int
     committed: list[int]
     k: int
+    auth: CloudAuth = field(default_factory=CloudAuth)
+    context: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Auth:
+    """Change the session's cache tuple now (shrink, grow, revoke); answered by AUTHED."""
+    auth: CloudAuth
+
+
+@dataclass
+class Authed:
+    """``held``: committed tokens the cloud holds once the AUTH took effect."""
+    held: int
 
 
 @dataclass
@@ -152,10 +249,11 @@ class Error:
     message: str
 
 
-Message = Open | Verify | Fuse | Close | Opened | Verified | TopK | Error
+Message = Open | Verify | Fuse | Auth | Close | Opened | Verified | TopK | Authed | Error
 
 _U8, _U16, _U32 = struct.Struct(">B"), struct.Struct(">H"), struct.Struct(">I")
-_REQ = struct.Struct(">IIB")  # req, base_len, count
+_REQ = struct.Struct(">II")  # req, base_len
+_AUTH = struct.Struct(">BI")  # flag_cache, l_cache
 _VERIFIED = struct.Struct(">IBi")
 _TOPK_HEAD = struct.Struct(">IH")
 
@@ -171,11 +269,29 @@ def _ids(ids) -> bytes:
     return np.asarray(ids, dtype=">i4").tobytes()
 
 
+def _auth(auth: CloudAuth) -> bytes:
+    if not isinstance(auth, CloudAuth):
+        raise ProtocolError(f"auth must be a CloudAuth, got {type(auth).__name__}")
+    return _AUTH.pack(int(auth.flag_cache), L_UNLIMITED if auth.l_cache is None else auth.l_cache)
+
+
+def _request_head(msg: Verify | Fuse) -> bytes:
+    """u32 req ‖ u32 base_len ‖ AUTH5 ‖ u32 c ‖ int32[c] context."""
+    return (_REQ.pack(msg.req, msg.base_len) + _auth(msg.auth) + _U32.pack(len(msg.context))
+            + _ids(msg.context))
+
+
 def encode(msg: Message) -> bytes:
     """The plaintext bytes of ``msg``; raises :class:`ProtocolError` for out-of-range fields."""
     if isinstance(msg, Open):
+        if not isinstance(msg.auth, CloudAuth):
+            raise ProtocolError(f"auth must be a CloudAuth, got {type(msg.auth).__name__}")
+        if msg.offset < 0:
+            raise ProtocolError(f"offset {msg.offset} < 0")
         head = {"fingerprint": msg.fingerprint, "temperature": float(msg.temperature),
-                "top_k": int(msg.top_k), "seed": int(msg.seed), "max_new": int(msg.max_new)}
+                "top_k": int(msg.top_k), "seed": int(msg.seed), "max_new": int(msg.max_new),
+                "flag_cache": msg.auth.flag_cache, "l_cache": msg.auth.l_cache,
+                "offset": int(msg.offset)}
         return bytes([OPEN]) + _json(head) + _ids(msg.prompt)
     if isinstance(msg, Verify):
         g = len(msg.draft)
@@ -187,7 +303,7 @@ def encode(msg: Message) -> bytes:
             raise ProtocolError(f"q has {q_ids.shape[0]} rows for γ = {g} drafted tokens")
         if kq > 255:
             raise ProtocolError(f"draft top-k {kq} (max 255)")
-        out = [bytes([VERIFY]), _REQ.pack(msg.req, msg.base_len, g), _ids(msg.draft), _U8.pack(kq)]
+        out = [bytes([VERIFY]), _request_head(msg), _U8.pack(g), _ids(msg.draft), _U8.pack(kq)]
         if kq:
             probs = np.asarray(msg.q_probs, dtype=">f2").reshape(g, kq)
             for i in range(g):
@@ -200,7 +316,12 @@ def encode(msg: Message) -> bytes:
             raise ProtocolError(f"{m} committed tokens in one FUSE (max 255)")
         if not 1 <= msg.k <= MAX_TOPK:
             raise ProtocolError(f"top-k {msg.k} out of range 1..{MAX_TOPK}")
-        return bytes([FUSE]) + _REQ.pack(msg.req, msg.base_len, m) + _ids(msg.committed) + _U16.pack(msg.k)
+        return (bytes([FUSE]) + _request_head(msg) + _U8.pack(m) + _ids(msg.committed)
+                + _U16.pack(msg.k))
+    if isinstance(msg, Auth):
+        return bytes([AUTH]) + _auth(msg.auth)
+    if isinstance(msg, Authed):
+        return bytes([AUTHED]) + _U32.pack(msg.held)
     if isinstance(msg, Close):
         return bytes([CLOSE])
     if isinstance(msg, Opened):
@@ -246,6 +367,18 @@ class _Reader:
             raise ProtocolError(f"{self.kind} JSON header is not an object")
         return obj
 
+    def auth(self) -> CloudAuth:
+        flag, lc = self.unpack(_AUTH)
+        if flag > 1:
+            raise ProtocolError(f"{self.kind} flag_cache byte is {flag} (must be 0 or 1)")
+        return CloudAuth(bool(flag), None if lc == L_UNLIMITED else lc)
+
+    def request_head(self) -> tuple[int, int, CloudAuth, list[int]]:
+        req, base_len = self.unpack(_REQ)
+        auth = self.auth()
+        (c,) = self.unpack(_U32)
+        return req, base_len, auth, self.ids(c).tolist()
+
     def end(self) -> None:
         if self.pos != len(self.data):
             raise ProtocolError(f"{self.kind} message has {len(self.data) - self.pos} trailing bytes")
@@ -264,11 +397,16 @@ def decode(data: bytes) -> Message:
             h = r.json()
             n = (len(data) - r.pos) // 4
             prompt = r.ids(n).tolist()
+            offset = h["offset"]
+            if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+                raise ProtocolError(f"OPEN offset must be an int >= 0, got {offset!r}")
             msg = Open(prompt=prompt, fingerprint=str(h["fingerprint"]),
                        temperature=float(h["temperature"]), top_k=int(h["top_k"]),
-                       seed=int(h["seed"]), max_new=int(h["max_new"]))
+                       seed=int(h["seed"]), max_new=int(h["max_new"]),
+                       auth=CloudAuth(h["flag_cache"], h["l_cache"]), offset=offset)
         elif t == VERIFY:
-            req, base_len, g = r.unpack(_REQ)
+            req, base_len, auth, context = r.request_head()
+            (g,) = r.unpack(_U8)
             draft = r.ids(g).tolist()
             (kq,) = r.unpack(_U8)
             q_ids = np.zeros((g, kq), np.int64)
@@ -276,12 +414,20 @@ def decode(data: bytes) -> Message:
             for i in range(g if kq else 0):
                 q_ids[i] = r.ids(kq)
                 q_probs[i] = np.frombuffer(r.take(2 * kq), dtype=">f2")
-            msg = Verify(req, base_len, draft, q_ids, q_probs) if kq else Verify(req, base_len, draft)
+            msg = Verify(req, base_len, draft, auth=auth, context=context)
+            if kq:
+                msg.q_ids, msg.q_probs = q_ids, q_probs
         elif t == FUSE:
-            req, base_len, m = r.unpack(_REQ)
+            req, base_len, auth, context = r.request_head()
+            (m,) = r.unpack(_U8)
             committed = r.ids(m).tolist()
             (k,) = r.unpack(_U16)
-            msg = Fuse(req, base_len, committed, k)
+            msg = Fuse(req, base_len, committed, k, auth=auth, context=context)
+        elif t == AUTH:
+            msg = Auth(r.auth())
+        elif t == AUTHED:
+            (held,) = r.unpack(_U32)
+            msg = Authed(held)
         elif t == CLOSE:
             msg = Close()
         elif t == OPENED:

@@ -18,7 +18,9 @@ Model of execution:
 - An asyncio event loop (one thread) accepts connections, does the handshake, opens and seals
   frames, and decodes messages.
 - ONE worker thread does all model work: OPEN → ``target.open``, CLOSE or a disconnect →
-  ``target.close``; VERIFY and FUSE jobs are batched: the worker takes the first queued job,
+  ``target.close``, AUTH → ``target.authorize`` (the endpoint-authorized cache control
+  (flagCache, LCache) of the edge–cloud seed design: the eviction is done before AUTHED is
+  sent); VERIFY and FUSE jobs are batched: the worker takes the first queued job,
   waits up to ``max_wait_ms`` for more (at most one job per session, at most ``max_batch``;
   it stops waiting as soon as every open session has a job in the batch, so a lone session
   never waits and N sessions in step stay batched together),
@@ -115,7 +117,7 @@ class _Session:
 
 @dataclass
 class _Item:
-    kind: str  # "open" | "close" | "job"
+    kind: str  # "open" | "close" | "auth" | "job"
     sess: _Session
     msg: Any = None
 
@@ -442,13 +444,13 @@ class CloudService:
                 return
             conn.current = sess
             self._queue.put(_Item("open", sess, msg))
-        elif isinstance(msg, (P.Verify, P.Fuse)):
+        elif isinstance(msg, (P.Verify, P.Fuse, P.Auth)):
             if conn.current is None:
                 self._count("protocol_errors")
                 conn.send(P.Error("protocol", f"{type(msg).__name__.upper()} before OPEN: no "
                                               f"session is open on this connection"))
                 return
-            self._queue.put(_Item("job", conn.current, msg))
+            self._queue.put(_Item("auth" if isinstance(msg, P.Auth) else "job", conn.current, msg))
         elif isinstance(msg, P.Close):
             sess, conn.current = conn.current, None
             if sess is not None:
@@ -496,6 +498,8 @@ class CloudService:
                     self._run_batch(item)
                 elif item.kind == "open":
                     self._open(item)
+                elif item.kind == "auth":
+                    self._authorize(item)
                 else:
                     self._free(item.sess)
             except Exception:  # noqa: BLE001 - keep serving the other sessions
@@ -537,6 +541,27 @@ class CloudService:
         opened = P.Opened(str(self.target.name), str(self.target.fingerprint),
                           int(self.target.context_len))
         self._post(self._deliver, sess, opened)
+
+    def _authorize(self, item: _Item) -> None:
+        """Apply an AUTH (evicting at once), then answer AUTHED with the tokens held."""
+        sess = item.sess
+        if sess.closed:
+            return
+        if sess.target is None:  # its OPEN failed
+            self._count("protocol_errors")
+            self._post(sess.conn.send, P.Error("protocol", "no open session (OPEN failed)"))
+            return
+        from cloud.target import SessionError
+
+        try:
+            reply = P.Authed(int(self.target.authorize(sess.target, item.msg.auth)))
+        except SessionError as exc:
+            reply = P.Error(exc.code, str(exc))
+        except Exception as exc:  # noqa: BLE001
+            log.exception("session %d: target.authorize failed", sess.id)
+            reply = P.Error("internal", f"target.authorize failed: {type(exc).__name__}: {exc}")
+        log.info("session %d (connection %d): cache tuple %s", sess.id, sess.conn.id, item.msg.auth)
+        self._post(self._deliver, sess, reply)
 
     @staticmethod
     def _open_failed(sess: _Session, err: P.Error) -> None:

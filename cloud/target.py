@@ -1,20 +1,36 @@
 """The cloud's target LLM: per-session KV caches and batched verify / top-k steps.
 
-A :class:`TargetSession` holds one device's committed tokens and the target's KV cache of
-all of them but the last (the last one is fed with the next VERIFY, so one forward pass
-both extends the cache and scores the first drafted token; after a FUSE the cache holds
-every token, so the next FUSE feeds only the device's new token: one row, not two). :meth:`Target.step` runs
-the requests of several sessions in ONE forward pass: the sessions' caches are left-padded
-to a common length, the new tokens right-padded, and a 2-D attention mask hides both pads;
-afterwards each session gets back exactly its own rows, cropped to what it committed
-(rollback of rejected draft tokens). Sessions never share tensors, so one session cannot
-read another's cache.
+A :class:`TargetSession` holds the committed tokens of one device that the device lets the
+cloud keep, and the target's KV cache of all of them but the last (the last one is fed with
+the next VERIFY, so one forward pass both extends the cache and scores the first drafted
+token; after a FUSE the cache holds every token, so the next FUSE feeds only the device's
+new token: one row, not two). :meth:`Target.step` runs the requests of several sessions in
+ONE forward pass: the sessions' caches are left-padded to a common length, the new tokens
+right-padded, and a 2-D attention mask hides both pads; afterwards each session gets back
+exactly its own rows, cropped to what it committed (rollback of rejected draft tokens).
+Sessions never share tensors, so one session cannot read another's cache.
+
+Cache authorization (the endpoint-authorized cache control (flagCache, LCache) of the
+edge–cloud seed design; the rule is :class:`cloud.protocol.CloudAuth`, the wire format in
+:mod:`cloud.protocol`): a request needs the last ``auth.window(base_len)`` committed tokens
+(the held ones plus the ids it re-sends as ``context``); every logit row it scores
+conditions on at most the last ``l_cache`` ids before that position, computed fresh with
+positions from 0 at that window's first id: the target restricted to an ``l_cache`` window,
+so speculative decoding stays lossless with respect to it. Afterwards the session keeps only
+the last ``auth.held(n)`` tokens. When the window slides (or a request re-sends context)
+the old KV is dropped, never cropped: deeper-layer entries of the kept tokens carry
+information from the evicted ones. Rows that start at the window's first id share the
+session's main row (its KV re-prefilled in a separate forward before the batch when it was
+dropped); every later position of a sliding window gets its own row of exactly ``l_cache``
+ids (one extra forward over all such rows, last position only). Cost under a full window:
+about ``l_cache`` token-rows of forward per scored position instead of one.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -35,7 +51,7 @@ def tokenizer_fingerprint(tok) -> str:
 
 class SessionError(ValueError):
     """A request the target refuses; ``code`` is the protocol ERROR code (``fingerprint``,
-    ``context``, ``sync``, ``protocol``)."""
+    ``context``, ``sync``, ``evicted``, ``protocol``)."""
 
     def __init__(self, code: str, message: str):
         super().__init__(message)
@@ -45,13 +61,21 @@ class SessionError(ValueError):
 class TargetSession:
     """One device's state at the cloud.
 
-    ``tokens``: committed ids (prompt + generated); ``cache``: the target's KV cache of
-    ``tokens[:-1]`` (of all ``tokens`` after a FUSE); ``temperature`` / ``top_k``: the target's sampling settings (0 = greedy);
-    ``gen``: the session's random generator (seeded by the device's ``seed``)."""
+    ``tokens``: the committed ids (prompt + generated) the cloud holds: the last
+    ``auth.held(committed)`` of them, never more; ``evicted``: committed tokens before
+    ``tokens[0]`` the cloud no longer holds (or never got), so ``committed = evicted +
+    len(tokens)`` is what a request's ``base_len`` must equal; ``cache``: the target's KV
+    cache of ``tokens[:-1]`` (of all ``tokens`` after a FUSE), positions from 0 at
+    ``tokens[0]``, None when nothing is cached (after an eviction: re-prefilled fresh by the
+    next request); ``auth``: the current :class:`cloud.protocol.CloudAuth`;
+    ``temperature`` / ``top_k``: the target's sampling settings (0 = greedy); ``gen``: the
+    session's random generator (seeded by the device's ``seed``)."""
 
-    def __init__(self, prompt: list[int], temperature: float, top_k: int, seed: int, max_new: int):
+    def __init__(self, prompt: list[int], temperature: float, top_k: int, seed: int, max_new: int,
+                 auth: P.CloudAuth | None = None, offset: int = 0):
         self.tokens = list(prompt)
-        self.prompt_len = len(prompt)
+        self.evicted = int(offset)
+        self.auth = auth if auth is not None else P.CloudAuth()
         self.cache: DynamicCache | None = None
         self.temperature = float(temperature)
         self.top_k = int(top_k)
@@ -64,8 +88,19 @@ class TargetSession:
 
     @property
     def cached(self) -> int:
-        """Tokens in the KV cache (``len(tokens) - 1``, or ``len(tokens)`` after a FUSE)."""
+        """Tokens in the KV cache (``len(tokens) - 1``, or ``len(tokens)`` after a FUSE; 0
+        after an eviction)."""
         return 0 if self.cache is None else self.cache.get_seq_length()
+
+    @property
+    def committed(self) -> int:
+        """Committed tokens of the session (held or evicted): the next ``base_len``."""
+        return self.evicted + len(self.tokens)
+
+    @property
+    def held(self) -> int:
+        """Committed tokens the cloud holds (ids, and KV once prefilled)."""
+        return len(self.tokens)
 
 
 def cache_from_layers(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
@@ -151,6 +186,26 @@ def batched_forward(model, per: list, pasts: list[int], inputs: list[list[int]],
     return outs, kvs
 
 
+@dataclass
+class _Plan:
+    """How one request runs. ``seq`` = window (the re-sent context + the held ids: the last
+    ``auth.window(base_len)`` committed tokens) + the request's new ids. ``scores``: the
+    prefix lengths of ``seq`` whose next-token logits the reply needs. Those whose own
+    window starts at ``seq[0]`` come from the main row: ``ids`` fed after ``past`` cached
+    positions (``layers``: the session's cache, or a fresh prefill when ``fresh``; ``ids``
+    None = no main row); each longer one from its own fresh row of exactly ``l_cache``
+    tokens (``extra``)."""
+    seq: list[int]
+    window: int
+    context: int
+    scores: list[int]
+    ids: list[int] | None
+    past: int
+    fresh: bool
+    extra: list[list[int]]
+    layers: list | None = None
+
+
 class Target:
     """Runs the target model for many sessions. Not thread-safe: call from one thread.
 
@@ -158,15 +213,23 @@ class Target:
         model: a causal LM (e.g. Qwen2.5-Coder-1.5B), eval mode.
         tok: its tokenizer (for the fingerprint and the pad id).
         name: the model's name, reported to devices.
-        max_context: the most tokens (prompt + generated) a session may hold.
+        max_context: the most tokens one row of a forward may hold: without a window, the
+            most a session may hold (prompt + generated); under a window, ``l_cache``.
         min_block_rows: a forward of 2..min_block_rows-1 new-token rows in all (batch ×
             tokens) is padded to this many (pads are ignored and never cached). On this CPU
             (1 thread, 1.5B) 1 / 2 / 3 / 4 / 8 / 32 rows took 290 / 595 / 870 / 510 / 625 /
             1320 ms: PyTorch's matrix kernels for 2-3 rows are slower than for 4.
+
+    Counters: ``batches`` / ``jobs`` (:meth:`step` calls that ran, requests run),
+    ``reprefills`` / ``reprefill_tokens`` (fresh rows a cache tuple forced — re-prefills of a
+    window whose KV was dropped, and the own rows of positions past a full window — and the
+    tokens they fed: the cost of a sliding window or of ``flag_cache`` off).
     """
 
     def __init__(self, model, tok, name: str, max_context: int = 2048, min_block_rows: int = 4):
         self.model = model.eval()
+        get_decoder = getattr(self.model, "get_decoder", None)
+        self._body = get_decoder() if get_decoder is not None else None  # KV without the LM head
         self.name = name
         self.fingerprint = tokenizer_fingerprint(tok)
         self.context_len = int(max_context)
@@ -177,39 +240,76 @@ class Target:
         self.min_block_rows = int(min_block_rows)
         self.batches = 0
         self.jobs = 0
+        self.reprefills = 0
+        self.reprefill_tokens = 0
 
     # -- sessions -----------------------------------------------------------------------
 
     @torch.no_grad()
     def open(self, msg: P.Open) -> TargetSession:
-        """Prefill ``msg.prompt[:-1]`` into a new session.
+        """Start a session over ``msg.offset`` unsent + ``msg.prompt`` committed tokens; keep
+        the last ``msg.auth.held(n)`` of them and prefill all kept ids but the last.
 
         Raises :class:`SessionError`: ``fingerprint`` (tokenizers differ: refuse rather than
-        decode garbage), ``context`` (prompt + max_new > max_context), ``protocol`` (bad
-        ids or settings)."""
+        decode garbage), ``context`` (prompt + max_new, or under a window ``l_cache``, the
+        longest row a request may run, exceeds max_context), ``protocol`` (no tokens, bad
+        ids, settings or tuple)."""
         if msg.fingerprint != self.fingerprint:
             raise SessionError("fingerprint", f"tokenizer fingerprint {msg.fingerprint} does not "
                                f"match the target {self.name} ({self.fingerprint}): the pair "
                                "does not share a vocabulary")
-        if not msg.prompt:
-            raise SessionError("protocol", "empty prompt")
-        if len(msg.prompt) + max(msg.max_new, 0) > self.context_len:
-            raise SessionError("context", f"prompt {len(msg.prompt)} + max_new {msg.max_new} tokens "
-                               f"exceeds the context of {self.context_len}")
+        auth = self._check_auth(msg.auth)
+        if msg.offset < 0 or msg.offset + len(msg.prompt) == 0:
+            raise SessionError("protocol", f"empty prompt (offset {msg.offset}, "
+                               f"{len(msg.prompt)} ids)")
+        total = msg.offset + len(msg.prompt) + max(msg.max_new, 0)
+        span = total if auth.l_cache is None else min(total, auth.l_cache)  # longest row
+        if span > self.context_len:
+            raise SessionError("context", f"prompt {msg.offset + len(msg.prompt)} + max_new "
+                               f"{msg.max_new} tokens (window {auth.l_cache}) exceeds the "
+                               f"context of {self.context_len}")
         self._check_ids(msg.prompt)
         if not (math.isfinite(msg.temperature) and msg.temperature >= 0) or msg.top_k < 0:
             raise SessionError("protocol", f"bad sampling settings: temperature {msg.temperature}, "
                                f"top_k {msg.top_k}")
-        sess = TargetSession(msg.prompt, msg.temperature, msg.top_k, msg.seed, msg.max_new)
-        if len(msg.prompt) > 1:
-            x = torch.tensor([msg.prompt[:-1]], dtype=torch.long)
-            sess.cache = self.model(input_ids=x, use_cache=True).cache
+        sess = TargetSession(msg.prompt, msg.temperature, msg.top_k, msg.seed, msg.max_new,
+                             auth=auth, offset=msg.offset)
+        self._evict(sess)
+        if len(sess.tokens) > 1:
+            sess.cache = cache_from_layers(self._prefill(sess.tokens[:-1]))
         return sess
+
+    def authorize(self, sess: TargetSession, auth: P.CloudAuth) -> int:
+        """Apply a new cache tuple at once (an AUTH): what it no longer allows is evicted
+        before this returns. Returns the committed tokens the session now holds.
+        Raises :class:`SessionError` ``protocol`` for a closed session or a bad tuple."""
+        if sess.closed:
+            raise SessionError("protocol", "session is closed")
+        sess.auth = self._check_auth(auth)
+        self._evict(sess)
+        return sess.held
 
     def close(self, sess: TargetSession) -> None:
         """Free the session's KV cache."""
         sess.cache = None
         sess.closed = True
+
+    @staticmethod
+    def _check_auth(auth) -> P.CloudAuth:
+        if not isinstance(auth, P.CloudAuth):
+            raise SessionError("protocol", f"bad cache tuple {auth!r}")
+        return auth
+
+    @staticmethod
+    def _evict(sess: TargetSession) -> None:
+        """Keep only the last ``sess.auth.held(...)`` held ids. Whenever ids are dropped the
+        KV cache goes too (deeper-layer entries of the kept ids carry the dropped ones); the
+        next request re-prefills the window fresh."""
+        drop = sess.held - sess.auth.held(sess.held)
+        if drop > 0:
+            sess.tokens = sess.tokens[drop:]
+            sess.evicted += drop
+            sess.cache = None
 
     def _check_ids(self, ids) -> None:
         bad = [i for i in ids if not 0 <= int(i) < self.vocab_size]
@@ -217,18 +317,35 @@ class Target:
             raise SessionError("protocol", f"token id {bad[0]} outside the vocabulary "
                                f"(0..{self.vocab_size - 1})")
 
+    def _prefill(self, ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Fresh KV layers of ``ids`` (one row, positions from 0, no LM head when the model
+        exposes its decoder body)."""
+        if self._body is not None:
+            _, kvs = batched_forward(self._body, [None], [0], [list(ids)], self.pad_id,
+                                     output="last_hidden_state")
+        else:
+            _, kvs = batched_forward(self.model, [None], [0], [list(ids)], self.pad_id)
+        return kvs[0]
+
     # -- batched steps ------------------------------------------------------------------
 
-    def _prepare(self, sess: TargetSession, req) -> tuple[list[int], int]:
-        """Validate ``req`` against ``sess``; returns the ids to feed and how many cached
-        positions they follow. A FUSE after a FUSE feeds only the newly committed ids (the
-        cache already holds every token); otherwise the last committed token is fed again
-        first, so its logits score the first drafted token."""
+    def _prepare(self, sess: TargetSession, req) -> _Plan:
+        """Apply ``req``'s tuple (evicting what it no longer allows, even if the request is
+        then refused), validate ``req`` against ``sess`` and plan its forward passes.
+
+        The window = re-sent context + held ids must be exactly ``auth.window(base_len)``:
+        fewer is ``evicted``, more ``protocol``. Each scored prefix of ``seq`` = window + new
+        conditions on its last ``l_cache`` ids. Prefixes within the first ``l_cache`` ids
+        share the main row: a FUSE after a FUSE feeds only the newly committed ids (the cache
+        already holds every token); otherwise the window's last token is fed again first, so
+        its logits score the first drafted token."""
         if sess.closed:
             raise SessionError("protocol", "session is closed")
-        if req.base_len != len(sess.tokens):
+        auth = sess.auth = self._check_auth(req.auth)
+        self._evict(sess)
+        if req.base_len != sess.committed:
             raise SessionError("sync", f"request assumes {req.base_len} committed tokens, the "
-                               f"cloud has {len(sess.tokens)}")
+                               f"cloud has {sess.committed}")
         if isinstance(req, P.Verify):
             new = list(req.draft)
             if sess.temperature > 0 and new and np.shape(req.q_ids)[-1:] in ((0,), ()):
@@ -239,52 +356,117 @@ class Target:
             new = list(req.committed)
             if not 1 <= req.k <= min(P.MAX_TOPK, self.vocab_size):
                 raise SessionError("protocol", f"top-k {req.k} out of range")
+        context = [int(t) for t in req.context]
         self._check_ids(new)
-        if len(sess.tokens) + len(new) + 1 > self.context_len:
+        self._check_ids(context)
+        if auth.l_cache == 0:
+            raise SessionError("protocol", "l_cache = 0 authorizes no context: nothing to score")
+        need, have = auth.window(req.base_len), sess.held + len(context)
+        if have < need:
+            raise SessionError("evicted", f"the request needs the last {need} committed tokens; "
+                               f"the cloud holds {sess.held} ({sess.evicted} evicted) and the "
+                               f"request re-sent {len(context)}: re-send the missing "
+                               f"{need - have} as context")
+        if have > need:
+            raise SessionError("protocol", f"{len(context)} context ids + {sess.held} held "
+                               f"exceed the authorized window of {need} tokens")
+        seq, w = context + sess.tokens + new, have
+        span = len(seq) + 1 if auth.l_cache is None else min(len(seq) + 1, auth.l_cache)
+        if span > self.context_len:
             raise SessionError("context", f"session would exceed the context of {self.context_len}")
-        if isinstance(req, P.Fuse) and new and sess.cached == len(sess.tokens):
-            return new, sess.cached
-        return [sess.tokens[-1]] + new, len(sess.tokens) - 1
+        scores = list(range(w, len(seq) + 1)) if isinstance(req, P.Verify) else [len(seq)]
+        if scores[0] == 0:
+            raise SessionError("protocol", "nothing to score: no committed token before the request")
+        lim = len(seq) if auth.l_cache is None else auth.l_cache
+        main = [p for p in scores if p <= lim]
+        extra = [seq[p - lim:p] for p in scores if p > lim]
+        valid = 0 if context else min(sess.cached, w)  # cached positions still usable
+        ids, past = None, 0
+        if main:
+            top = main[-1]
+            if isinstance(req, P.Fuse) and new and valid == w:
+                ids, past = seq[w:top], w
+            else:
+                ids, past = seq[w - 1:top], w - 1
+        fresh = main != [] and valid < past
+        return _Plan(seq, w, len(context), scores, ids, past, fresh, extra,
+                     None if fresh or not main else _kv(sess.cache, self.n_layers, past))
 
     @torch.no_grad()
     def step(self, jobs: list[tuple[TargetSession, P.Verify | P.Fuse]]) -> list[P.Message]:
-        """Answer VERIFY / FUSE requests of several sessions with one forward pass.
+        """Answer VERIFY / FUSE requests of several sessions with one forward pass (plus,
+        under a sliding window, one fresh prefill per session whose window KV was dropped
+        and one forward over all rows of exactly ``l_cache`` ids, see :class:`_Plan`).
 
         Returns one message per job, in order: ``Verified``, ``TopK`` or ``Error``. A refused
-        job leaves its session unchanged; the others proceed. At most one job per session."""
+        job leaves its session unchanged (but for its cache tuple, which applies first); the
+        others proceed. At most one job per session."""
         if len({id(s) for s, _ in jobs}) != len(jobs):
             raise ValueError("at most one job per session in a batch")
         replies: list[P.Message | None] = [None] * len(jobs)
-        live, inputs, pasts = [], [], []
+        live, plans = [], []
         for j, (sess, req) in enumerate(jobs):
             try:
-                ids, past = self._prepare(sess, req)
-                inputs.append(ids)
-                pasts.append(past)
+                plan = self._prepare(sess, req)
+                if plan.fresh:  # the window's KV from scratch: positions from 0
+                    plan.layers = self._prefill(plan.seq[:plan.past])
+                    self.reprefills += 1
+                    self.reprefill_tokens += plan.past
+                plans.append(plan)
                 live.append(j)
             except SessionError as exc:
                 replies[j] = P.Error(exc.code, str(exc))
-        if live:
-            logits, caches = self._forward([jobs[j][0] for j in live], inputs, pasts)
-            for b, j in enumerate(live):
-                sess, req = jobs[j]
-                try:  # one bad job never costs the others their answers
-                    replies[j] = self._finish(sess, req, logits[b], caches[b])
-                except Exception as exc:  # noqa: BLE001 - the session is left unchanged
-                    code = getattr(exc, "code", "protocol" if isinstance(exc, ValueError) else "internal")
-                    replies[j] = P.Error(code, f"{type(exc).__name__}: {exc}")
-            self.batches += 1
-            self.jobs += len(live)
+        if not live:
+            return replies  # type: ignore[return-value]
+        main = [b for b, p in enumerate(plans) if p.ids is not None]
+        outs: dict[int, torch.Tensor] = {}
+        kvs: dict[int, list] = {}
+        if main:
+            logits, caches = batched_forward(self.model, [plans[b].layers for b in main],
+                                             [plans[b].past for b in main],
+                                             [plans[b].ids for b in main], self.pad_id,
+                                             self.min_block_rows)
+            outs.update(zip(main, logits))
+            kvs.update(zip(main, caches))
+        extra = self._extra_rows([p.extra for p in plans])
+        for b, j in enumerate(live):
+            sess, req, plan = *jobs[j], plans[b]
+            n_main = len(plan.scores) - len(plan.extra)
+            parts = [outs[b][[p - plan.past - 1 for p in plan.scores[:n_main]]]] if n_main else []
+            if plan.extra:
+                parts.append(extra[b])
+            try:  # one bad job never costs the others their answers
+                replies[j] = self._finish(sess, req, plan, torch.cat(parts), kvs.get(b))
+            except Exception as exc:  # noqa: BLE001 - the session is left unchanged
+                code = getattr(exc, "code", "protocol" if isinstance(exc, ValueError) else "internal")
+                replies[j] = P.Error(code, f"{type(exc).__name__}: {exc}")
+        self.batches += 1
+        self.jobs += len(live)
         return replies  # type: ignore[return-value]
 
-    def _forward(self, sessions: list[TargetSession], inputs: list[list[int]], pasts: list[int]):
-        """Logits ``[m_b, V]`` and the new KV layers per row (see :func:`batched_forward`)."""
-        per = [_kv(s.cache, self.n_layers, L) for s, L in zip(sessions, pasts)]
-        return batched_forward(self.model, per, pasts, inputs, self.pad_id, self.min_block_rows)
+    def _extra_rows(self, per_plan: list[list[list[int]]]) -> list[torch.Tensor | None]:
+        """Last-position logits ``[rows, V]`` of each plan's fresh window rows: one forward
+        per distinct row length (= l_cache; equal lengths need no pads, no mask, and
+        positions start at 0)."""
+        by_len: dict[int, list[tuple[int, int]]] = {}
+        for b, rows in enumerate(per_plan):
+            for i, row in enumerate(rows):
+                by_len.setdefault(len(row), []).append((b, i))
+        got: dict[tuple[int, int], torch.Tensor] = {}
+        for length, keys in by_len.items():
+            ids = torch.tensor([per_plan[b][i] for b, i in keys])
+            last = self.model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[:, -1]
+            got.update(zip(keys, last))
+            self.reprefills += len(keys)
+            self.reprefill_tokens += len(keys) * length
+        return [torch.stack([got[(b, i)] for i in range(len(rows))]) if rows else None
+                for b, rows in enumerate(per_plan)]
 
-    def _finish(self, sess: TargetSession, req, logits: torch.Tensor, kv) -> P.Message:
-        """Turn one row's logits into the reply and commit the session (cache cropped)."""
-        base = len(sess.tokens)
+    def _finish(self, sess: TargetSession, req, plan: _Plan, logits: torch.Tensor, kv) -> P.Message:
+        """Turn one job's logits (``[len(plan.scores), V]``) into the reply and commit the
+        session: the window + what was committed, the main row's cache cropped to it (none
+        without a main row), then evict what the tuple does not let it keep."""
+        base = plan.window
         if isinstance(req, P.Verify):
             draft = list(req.draft)
             if sess.temperature > 0:
@@ -293,19 +475,27 @@ class Target:
                 n, token = verify_sampled(p, draft, q, sess.gen)
             else:
                 n, token = verify_greedy(torch.argmax(logits, dim=-1).tolist(), draft)
-            keep = base + n  # tokens[:-1], the re-fed last token and the n kept drafts
-            sess.cache = cache_from_layers([(k[:, :, :keep], v[:, :, :keep]) for k, v in kv])
-            sess.tokens = sess.tokens + draft[:n] + [token]
-            return P.Verified(req.req, n, token)
-        committed = list(req.committed)
-        logp = torch.log_softmax(logits[-1].double(), dim=-1)
-        vals, ids = torch.topk(logp, req.k)
-        mass = float(torch.exp(vals).sum())
-        tail = math.log(max(1.0 - mass, 1e-30))
-        top = float(np.float16(vals[0]))
-        scale = float(np.float16(max(top - float(vals[-1]), 1e-3) / 255.0))
-        q = torch.clamp(torch.round((top - vals) / scale), 0, 255).to(torch.uint8).numpy()
-        sess.tokens = sess.tokens + committed
-        keep = len(sess.tokens)  # every token: the next FUSE feeds only what is new
-        sess.cache = cache_from_layers([(k[:, :, :keep], v[:, :, :keep]) for k, v in kv])
-        return P.TopK(req.req, ids.numpy().astype(np.int64), q, top, scale, tail)
+            keep = base + n  # window[:-1], the re-fed last token and the n kept drafts
+            added = draft[:n] + [token]
+            reply = P.Verified(req.req, n, token)
+        else:
+            added = list(req.committed)
+            logp = torch.log_softmax(logits[-1].double(), dim=-1)
+            vals, ids = torch.topk(logp, req.k)
+            mass = float(torch.exp(vals).sum())
+            tail = math.log(max(1.0 - mass, 1e-30))
+            top = float(np.float16(vals[0]))
+            scale = float(np.float16(max(top - float(vals[-1]), 1e-3) / 255.0))
+            q = torch.clamp(torch.round((top - vals) / scale), 0, 255).to(torch.uint8).numpy()
+            keep = base + len(added)  # every token: the next FUSE feeds only what is new
+            reply = P.TopK(req.req, ids.numpy().astype(np.int64), q, top, scale, tail)
+        tokens = plan.seq[:base] + added
+        cached = 0 if kv is None else plan.past + len(plan.ids)
+        # the main row's KV is exact for tokens[:keep] only if it reached that far; otherwise
+        # (the window slid past it) nothing is kept and the next request re-prefills
+        sess.cache = (cache_from_layers([(k[:, :, :keep], v[:, :, :keep]) for k, v in kv])
+                      if cached >= keep else None)
+        sess.tokens = tokens
+        sess.evicted -= plan.context
+        self._evict(sess)
+        return reply

@@ -35,13 +35,19 @@ def test_round_trip(msg):
     _same(msg, P.decode(P.encode(msg)))
 
 
+HEAD = 4 + 4 + 5 + 4  # req, base_len, cache tuple (u8 flag ‖ u32 l_cache), context count
+
+
 def test_sizes_are_what_the_layout_says():
-    assert len(P.encode(P.Verify(1, 2, [3, 4, 5]))) == 1 + 9 + 3 * 4 + 1  # γ int32 ids, no q
+    assert len(P.encode(P.Verify(1, 2, [3, 4, 5]))) == 1 + HEAD + 1 + 3 * 4 + 1  # γ int32 ids, no q
+    assert len(P.encode(P.Verify(1, 2, [3], context=[7, 8]))) == 1 + HEAD + 2 * 4 + 1 + 4 + 1
     assert len(P.encode(P.Verified(1, 2, 3))) == 1 + 9
     k = 16
     top = P.TopK(1, np.arange(k), np.zeros(k, np.uint8), 0.0, 0.1, -3.0)
     assert len(P.encode(top)) == 1 + 6 + 4 * k + k + 6  # int32 ids, uint8 values, 3 float16
-    assert len(P.encode(P.Fuse(1, 2, [3], k))) == 1 + 9 + 4 + 2
+    assert len(P.encode(P.Fuse(1, 2, [3], k))) == 1 + HEAD + 1 + 4 + 2
+    assert len(P.encode(P.Auth(P.CloudAuth(True, 5)))) == 1 + 5
+    assert len(P.encode(P.Authed(5))) == 1 + 4
 
 
 def test_topk_dequantizes_below_the_top():
