@@ -10,6 +10,10 @@ Message types (the ServerApp sends the resolved config in every message):
   (see :mod:`client_app.c2c`).
 - ``query.decode``: decode prompts with the cloud LLM service in every mode
   (see :mod:`client_app.decode`).
+- ``query.privacy``: run the privacy probe (see :mod:`client_app.privacy`).
+
+Every reply passes the outbound audit (:func:`edgefuse.privacy.audit.flower_mod`) before
+Flower sends it; the cloud link and C2C relays report to the same audit.
 """
 
 from __future__ import annotations
@@ -20,23 +24,26 @@ import warnings
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from client_app import c2c, decode as cloud_decode
+from client_app import c2c, decode as cloud_decode, privacy
 from client_app.local import LocalClient
+from edgefuse.privacy.audit import flower_mod, watch_canaries
 from edgefuse.lora import (MalformedUpdateError, adapter_nbytes, check_received_adapter,
                            set_adapter_state, unpack_adapter)
 
 # peft calls a transformers property that transformers 5 deprecated; nothing to act on.
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
-app = ClientApp()
+app = ClientApp(mods=[flower_mod])
 
 
 def _client(msg: Message, context: Context) -> LocalClient:
-    return LocalClient.for_message(
+    client = LocalClient.for_message(
         cfg_json=str(msg.content["config"]["cfg"]),
         partition_id=int(context.node_config["partition-id"]),
         num_partitions=int(context.node_config["num-partitions"]),
     )
+    watch_canaries(client.cfg, client.slot["tok"])
+    return client
 
 
 def _load_adapter(client: LocalClient, msg: Message) -> int:
@@ -158,3 +165,9 @@ def answer(msg: Message, context: Context) -> Message:
 def decode(msg: Message, context: Context) -> Message:
     """Decode the prompts through the cloud service (edge, cloud, speculative, fusion)."""
     return _c2c(msg, context, cloud_decode.decode)
+
+
+@app.query("privacy")
+def privacy_probe(msg: Message, context: Context) -> Message:
+    """Run the privacy probe on this device's model and reply with its figures."""
+    return _c2c(msg, context, privacy.probe)

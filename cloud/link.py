@@ -33,6 +33,7 @@ from cloud.wire import (PeerClosed, decode_health, decode_welcome, encode_hello,
                         recv_message, send_message)
 from edgefuse.transport.crypto import (FrameError, SecureSession, derive_session,
                                        generate_keypair, new_session_id)
+from edgefuse.privacy.audit import outbound
 from edgefuse.transport.wan import WanLink, WanProfile
 
 log = logging.getLogger("edgefuse.cloud")
@@ -143,6 +144,8 @@ class CloudLink:
         Raises :class:`CloudUnavailable` if the connection is gone,
         :class:`cloud.protocol.ProtocolError` for a message that cannot be encoded."""
         plain = P.encode(msg)
+        # the device's outbound audit sees every frame before it is sealed
+        outbound("draft_tokens" if isinstance(msg, (P.Open, P.Verify, P.Fuse)) else "control", plain)
         with self._send_lock:
             self._check_alive()
             data = frame(self._secure.seal(plain))

@@ -66,7 +66,9 @@ def validate(cfg: DictConfig) -> None:
             with ``c2c.enabled``, a non-positive step / example / token count, an unknown
             ``c2c.train.at``, evaluation mode or WAN preset, or a bad ``c2c.pairs`` entry;
             with ``cloud.enabled``, a ``device_model`` no client runs, an unknown mode or
-            WAN preset, or an out-of-range decoding setting.
+            WAN preset, or an out-of-range decoding setting; an unknown protection mode (also
+            per client), probe protection or layer, a non-positive probe count, an
+            ``l_cache`` below 1 or a ``max_update_norm`` that is not positive.
     """
     clients = cfg.federation.clients
     if not clients:
@@ -100,12 +102,47 @@ def validate(cfg: DictConfig) -> None:
     cloud = cfg.get("cloud")
     if cloud is not None and cloud.get("enabled"):
         _validate_cloud(cfg, cloud)
+    if cfg.get("privacy") is not None:
+        _validate_privacy(cfg, cfg.privacy)
     for key in ("training.lr", "federation.round_timeout_s"):
         try:
             if float(OmegaConf.select(cfg, key)) <= 0:
                 raise ValueError
         except (TypeError, ValueError):
             raise ConfigError(f"{key} must be a positive number, got {OmegaConf.select(cfg, key)!r}") from None
+
+
+def _validate_privacy(cfg: DictConfig, priv: DictConfig) -> None:
+    from edgefuse.privacy.probe import PROTECTIONS as PROBE_MODES
+    from edgefuse.privacy.protect import client_protection
+
+    try:
+        for c in cfg.federation.clients:
+            client_protection(cfg, c)
+    except ValueError as e:
+        raise ConfigError(f"privacy.protection / federation.clients[].protection: {e}") from None
+    norm = priv.get("max_update_norm")
+    if norm is not None and not float(norm) > 0:
+        raise ConfigError(f"privacy.max_update_norm must be null or > 0, got {norm!r}")
+    l_cache = priv.cloud_auth.get("l_cache")
+    if l_cache is not None and int(l_cache) < 1:
+        raise ConfigError(f"privacy.cloud_auth.l_cache must be null or >= 1 (0 authorizes no "
+                          f"context at all), got {l_cache!r}")
+    if not priv.get("enabled"):
+        return
+    p = priv.probe
+    unknown = sorted(set(map(str, p.modes)) - set(PROBE_MODES))
+    if unknown or not p.modes:
+        raise ConfigError(f"privacy.probe.modes has unknown modes {unknown}: use {', '.join(PROBE_MODES)}")
+    for key in ("canaries", "attack_train_prompts", "topk"):
+        _positive_int(p.get(key), f"privacy.probe.{key}")
+    for key in ("task_n", "live_canaries"):
+        if int(p.get(key, 0)) < 0:
+            raise ConfigError(f"privacy.probe.{key} must be >= 0, got {p.get(key)!r}")
+    bad = [x for x in p.attack_layers if isinstance(x, float) and not 0.0 <= x <= 1.0]
+    if bad or not p.attack_layers:
+        raise ConfigError(f"privacy.probe.attack_layers: layer indices or fractions in [0, 1], got "
+                          f"{list(p.attack_layers)}")
 
 
 def _validate_cloud(cfg: DictConfig, cloud: DictConfig) -> None:

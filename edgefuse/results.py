@@ -35,6 +35,13 @@ results.json schema (an interface; keep stable)::
                     "identical_to_target": bool|None, "agreement_with_target": float|None,
                     "gsm8k_exact_match": float|None, "rouge_l": float|None, ...}],
       "decoding_records": [{"qid", "mode", "device", "tokens", "text", ...per generation}],
+      "privacy": [{"payload": "kv"|"draft_tokens"|"logits_topk"|"hidden"|"adapter",
+                   "protection": "none"|"redact"|"rephrase"|"both", "canary_hits": int,
+                   "attacker_token_acc": float|None, "attacker_exact_match": float|None,
+                   "task_acc": float|None, "layer": int|None, "payloads": int, "bytes": int}],
+      "privacy_layers": [{"payload", "layer", "protection", "attacker_token_acc",
+                          "attacker_exact_match"}],
+      "privacy_audit": {payload type: {"payloads", "bytes", "canary_hits", "hit_kinds"}},
       "summary": {...free-form...},
       "status": "running"|"completed"|"failed"|"stopped",
       "error": str|None
@@ -87,6 +94,10 @@ C2C_PNG_NAME = "c2c.png"
 C2C_CSV_NAME = "c2c.csv"
 DECODING_PNG_NAME = "decoding.png"
 DECODING_CSV_NAME = "decoding.csv"
+PRIVACY_PNG_NAME = "privacy.png"
+PRIVACY_CSV_NAME = "privacy.csv"
+PRIVACY_FIELDS = ("payload", "protection", "canary_hits", "attacker_token_acc",
+                  "attacker_exact_match", "task_acc", "layer", "payloads", "bytes")
 C2C_COLUMNS = ("receiver", "sharers", "mode", "n", "mmlu_acc", "rougeL", "latency_ms",
                "latency_ms_mmlu", "latency_ms_dolly", "exchange_ms", "prefill_ms", "fuse_ms",
                "decode_ms", "bytes_sent", "error")
@@ -555,6 +566,71 @@ def decoding_table(results: Mapping) -> Table:
     return table
 
 
+def privacy_csv_text(results: Mapping) -> str:
+    """CSV of the ``privacy`` rows (columns :data:`PRIVACY_FIELDS`)."""
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=PRIVACY_FIELDS, extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    for row in results.get("privacy", []):
+        w.writerow({k: _csv_cell(row.get(k)) for k in PRIVACY_FIELDS})
+    return buf.getvalue()
+
+
+def _privacy_grid(rows: list[Mapping], key: str) -> tuple[list[str], list[str], list[list[float | None]]]:
+    payloads = list(dict.fromkeys(r["payload"] for r in rows))
+    modes = list(dict.fromkeys(r["protection"] for r in rows))
+    cell = {(r["payload"], r["protection"]): _finite(r.get(key)) for r in rows}
+    return payloads, modes, [[cell.get((p, m)) for m in modes] for p in payloads]
+
+
+def plot_privacy(results: Mapping, path: str | os.PathLike) -> Path:
+    """Two heat maps over payload type × protection: the attacker's token accuracy and the
+    canary hits, plus the task accuracy of each protection."""
+    rows = list(results.get("privacy", []))
+    fig = _new_figure(figsize=(13, 3.6))
+    if not rows:
+        _no_data(fig.add_subplot(1, 1, 1), "privacy rows")
+        return _save_png(fig, path)
+    for j, (key, title, cmap, vmax) in enumerate((
+            ("attacker_token_acc", "attacker token accuracy (best layer)", "Reds", 1.0),
+            ("canary_hits", "canary hits in outbound payloads", "Oranges", None))):
+        ax = fig.add_subplot(1, 3, j + 1)
+        payloads, modes, grid = _privacy_grid(rows, key)
+        data = [[float("nan") if v is None else v for v in line] for line in grid]
+        finite = [v for line in grid for v in line if v is not None]
+        ax.imshow(data, cmap=cmap, vmin=0, vmax=vmax or max(finite + [1.0]), aspect="auto")
+        for a, line in enumerate(grid):
+            for b, v in enumerate(line):
+                ax.text(b, a, "n/a" if v is None else (f"{v:.2f}" if key != "canary_hits" else f"{v:.0f}"),
+                        ha="center", va="center", fontsize=8)
+        ax.set_xticks(range(len(modes)), modes, fontsize=8)
+        ax.set_yticks(range(len(payloads)), payloads, fontsize=8)
+        ax.set_title(title, fontsize=9)
+    ax = fig.add_subplot(1, 3, 3)
+    task = {r["protection"]: _finite(r.get("task_acc")) for r in rows}
+    modes = list(task)
+    ax.bar(range(len(modes)), [task[m] or 0.0 for m in modes], color=[_colour(i, len(modes)) for i in range(len(modes))])
+    ax.set_xticks(range(len(modes)), modes, fontsize=8)
+    ax.set_ylim(0, 1)
+    ax.set_title("task accuracy (MMLU) per protection", fontsize=9)
+    fig.suptitle("privacy: what an honest-but-curious receiver recovers", fontsize=10)
+    return _save_png(fig, path)
+
+
+def privacy_table(results: Mapping) -> Table:
+    """Rich table of the ``privacy`` rows."""
+    table = Table(title="Privacy: canary hits and inversion attacks per outbound payload")
+    cols = (("payload", "payload", None), ("protection", "protection", None),
+            ("canary hits", "canary_hits", ".0f"), ("attacker tok acc", "attacker_token_acc", ".3f"),
+            ("exact", "attacker_exact_match", ".2f"), ("layer", "layer", ".0f"),
+            ("task acc", "task_acc", ".3f"))
+    for name, _, _ in cols:
+        table.add_column(name, justify="left" if name in ("payload", "protection") else "right")
+    for r in results.get("privacy", []):
+        table.add_row(*[str(r[k]) if f is None else _fmt(r.get(k), f) for _, k, f in cols])
+    return table
+
+
 def write_json_csv(out_dir: str | os.PathLike, results: Mapping,
                    debug_text: bool | None = None) -> dict[str, Path]:
     """Write results.json and results.csv (and the c2c / decoding CSVs) into ``out_dir``;
@@ -570,6 +646,8 @@ def write_json_csv(out_dir: str | os.PathLike, results: Mapping,
         paths["c2c_csv"] = atomic_write_text(out_dir / C2C_CSV_NAME, c2c_csv_text(results))
     if results.get("decoding"):
         paths["decoding_csv"] = atomic_write_text(out_dir / DECODING_CSV_NAME, decoding_csv_text(results))
+    if results.get("privacy"):
+        paths["privacy_csv"] = atomic_write_text(out_dir / PRIVACY_CSV_NAME, privacy_csv_text(results))
     return paths
 
 
@@ -587,6 +665,8 @@ def write_outputs(out_dir: str | os.PathLike, results: Mapping) -> dict[str, Pat
         plots.append(("c2c_png", C2C_PNG_NAME, plot_c2c))
     if results.get("decoding"):
         plots.append(("decoding_png", DECODING_PNG_NAME, plot_decoding))
+    if results.get("privacy"):
+        plots.append(("privacy_png", PRIVACY_PNG_NAME, plot_privacy))
     for key, name, fn in plots:
         try:
             paths[key] = fn(results, out_dir / name)
@@ -659,6 +739,15 @@ class RunRecorder:
         self.results["decoding_records"] = copy.deepcopy(list(phase.get("records", [])))
         if phase.get("service"):
             self.results["summary"]["cloud_service"] = copy.deepcopy(dict(phase["service"]))
+
+    def set_privacy(self, phase: Mapping) -> None:
+        """Record the privacy phase: ``phase["rows"]`` (the ``privacy`` schema above), the
+        per-layer attack figures ``layers`` and the run's outbound ``audit`` totals."""
+        self.results["privacy"] = copy.deepcopy(list(phase.get("rows", [])))
+        self.results["privacy_layers"] = copy.deepcopy(list(phase.get("layers", [])))
+        self.results["privacy_audit"] = copy.deepcopy(dict(phase.get("audit", {})))
+        if phase.get("summary"):
+            self.results["summary"]["privacy"] = copy.deepcopy(dict(phase["summary"]))
 
     def set_summary(self, summary: Mapping) -> None:
         """Merge ``summary`` into the free-form summary (later keys win)."""
@@ -760,6 +849,8 @@ def print_summary(results: Mapping, console: Console | None = None, out_dir: str
         console.print(c2c_table(results))
     if results.get("decoding"):
         console.print(decoding_table(results))
+    if results.get("privacy"):
+        console.print(privacy_table(results))
     if results.get("error"):
         console.print(Text.assemble(("error: ", "red"), str(results["error"])))
     out_dir = out_dir if out_dir is not None else (results.get("summary") or {}).get("out_dir")

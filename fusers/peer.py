@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from edgefuse.privacy.audit import outbound
+
 from .exchange import decode_kv_cache, encode_kv_cache
 from .queries import (Query, answer_text, choice_token_ids, greedy_decode, prefill, prompt_split,
                       query_example, score_choices)
@@ -61,7 +63,9 @@ def encode_payload(kind: str, qid: str, sender: ModelVersion, body: bytes) -> by
     """The plaintext of one payload (see the module docstring)."""
     header = json.dumps({"kind": kind, "qid": qid, "spec": sender.spec,
                          "adapter_hash": sender.adapter_hash}).encode()
-    return MAGIC + struct.pack("<I", len(header)) + header + body
+    data = MAGIC + struct.pack("<I", len(header)) + header + body
+    outbound(kind, data)  # the device's outbound audit, before the caller seals it
+    return data
 
 
 def decode_payload(data: bytes) -> Payload:

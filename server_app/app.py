@@ -22,7 +22,7 @@ from edgefuse.config import compose, lora_targets
 from edgefuse.lora import save_peft_adapter
 from edgefuse.models import get_spec
 from edgefuse.results import RunRecorder, print_summary
-from server_app import decoding
+from server_app import decoding, privacy
 from server_app.strategy import GroupedLoRA
 
 app = ServerApp()
@@ -74,6 +74,7 @@ def main(grid: Grid, context: Context) -> None:
     log(INFO, "edgefuse: experiment %s, outputs in %s", cfg.experiment.name, out)
     recorder = RunRecorder(out, OmegaConf.to_container(cfg, resolve=True))
     recorder.save()
+    grid = privacy.AuditTally(grid)  # sums every reply's outbound-payload audit
     strategy = GroupedLoRA(cfg)
     fed = cfg.federation
     timeout = float(fed.round_timeout_s)
@@ -81,6 +82,7 @@ def main(grid: Grid, context: Context) -> None:
     try:
         phase = _c2c_phase(cfg, grid, strategy, out, timeout)
         cloud_on = bool(cfg.get("cloud") and cfg.cloud.enabled)
+        privacy_on = bool(cfg.get("privacy") and cfg.privacy.enabled)
         if cloud_on:
             decoding.check_pair(cfg)  # refuse a pair without a shared tokenizer before any round
         node_ids = wait_for_nodes(grid, len(fed.clients), timeout)
@@ -125,6 +127,12 @@ def main(grid: Grid, context: Context) -> None:
                 t5 = time.perf_counter()
                 recorder.set_decoding(decoding.run(cfg, grid, strategy, out, timeout, r))
                 seconds["decoding"] = time.perf_counter() - t5
+            if privacy_on and r == int(fed.num_rounds):
+                recorder.add_round(record)
+                recorder.save()
+                t6 = time.perf_counter()
+                recorder.set_privacy(privacy.run(cfg, grid, strategy, timeout, r, grid.totals))
+                seconds["privacy"] = time.perf_counter() - t6
             seconds["total"] = time.perf_counter() - t0
             recorder.add_round(record)
             recorder.save()

@@ -102,6 +102,7 @@ def run(cfg, grid, strategy: GroupedLoRA, out: Path, timeout: float, round_idx: 
         rec = replies[0].content["decoding"]
         raw = json.loads(str(rec["records"]))
         wall = json.loads(str(rec["wall"]))
+        protection = str(rec["protection"]) if "protection" in rec else "off"
         health = _health(str(c.host), int(port))
     finally:
         code = stop_service_process(proc)
@@ -116,6 +117,7 @@ def run(cfg, grid, strategy: GroupedLoRA, out: Path, timeout: float, round_idx: 
     log(INFO, "cloud decoding (%s, %d sessions):\n%s", c.wan, int(c.devices), table(rows))
     return {"rows": rows, "records": raw,
             "service": {"model": str(c.model), "start_seconds": started, "port": int(port),
+                        "prompt_protection": protection,
                         **{k: health.get(k) for k in ("sessions_total", "batches", "jobs",
                                                       "mean_batch_size", "max_batch_size",
                                                       "frames_rejected", "bytes_in", "bytes_out")}}}

@@ -264,6 +264,16 @@ class Redactor:
                              f"{', '.join(valid)}")
         self.score_threshold = float(score_threshold)
         self.spacy_model = spacy_model
+        self.known: list[str] = []
+
+    def remember(self, values) -> None:
+        """Always redact these exact values (case-insensitive) as ``<PRIVATE_n>``: the private
+        values the device itself knows (its owner's name, address, contacts), which NER alone
+        may miss. Values shorter than 3 characters are ignored."""
+        for v in values:
+            v = str(v).strip()
+            if len(v) >= 3 and v not in self.known:
+                self.known.append(v)
 
     @classmethod
     def from_config(cls, cfg) -> "Redactor":
@@ -287,8 +297,17 @@ class Redactor:
         """PII spans ``(type, start, end)`` in ``text``, overlaps merged, in text order."""
         if not text:
             return []
-        results = self.analyzer.analyze(text=text, language="en", entities=self.entities,
-                                        score_threshold=self.score_threshold)
+        results = list(self.analyzer.analyze(text=text, language="en", entities=self.entities,
+                                             score_threshold=self.score_threshold))
+        if self.known:
+            from presidio_analyzer import RecognizerResult
+
+            low = text.lower()
+            for v in self.known:
+                start = low.find(v.lower())
+                while start >= 0:
+                    results.append(RecognizerResult("PRIVATE", start, start + len(v), 1.0))
+                    start = low.find(v.lower(), start + 1)
         return _merge_spans(results)
 
     def redact(self, text: str) -> Redacted:

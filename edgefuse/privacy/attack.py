@@ -1,0 +1,145 @@
+"""Inversion attacks of an honest-but-curious receiver on what a device sends.
+
+The attacker knows the device's public base model (white box: its input embedding matrix
+and architecture) and has public text to train on; it sees one payload per prompt and tries
+to recover the prompt's tokens:
+
+* ``kv`` — a shared KV cache (C2C sharer → receiver), per layer, after the int8 wire codec;
+* ``hidden`` — hidden states after a layer, as split inference would send them;
+* ``logits_topk`` — the top-k next-token distribution at every position;
+* ``draft_tokens`` — the token ids the cloud sees (the prompt it prefills, drafted tokens):
+  no learning needed, the ids *are* the text.
+
+The learned attacker is a ridge regression from the payload's per-position features to the
+input embedding of the token at that position, decoded by the nearest embedding (cosine)
+over the full vocabulary — the linear probe of "Information Leakage from Embedding in Large
+Language Models" (Wan et al., 2024) and of embedding-inversion baselines (Song & Raghunathan,
+2020). Being linear it is a lower bound on what a stronger (learned decoder) attacker gets.
+
+Scores compare the recovered ids with the *raw* prompt's ids, so a protection that changes
+the text is credited only for what the attacker cannot get back:
+
+* token accuracy = LCS(recovered, raw) / len(raw) — order-aware but shift-tolerant, so a
+  rephrased prompt that keeps words in order still counts them as leaked (generous to the
+  attacker; plain position-wise accuracy would be lower);
+* exact match = the recovered text equals the raw prompt (whitespace-stripped).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def lcs_len(a: list[int], b: list[int]) -> int:
+    """Length of the longest common subsequence of ``a`` and ``b`` (O(len(a)·len(b)))."""
+    if not a or not b:
+        return 0
+    prev = [0] * (len(b) + 1)
+    for x in a:
+        cur = [0]
+        for j, y in enumerate(b):
+            cur.append(prev[j] + 1 if x == y else max(prev[j + 1], cur[j]))
+        prev = cur
+    return prev[-1]
+
+
+def token_accuracy(recovered: list[int], raw: list[int]) -> float:
+    """``LCS(recovered, raw) / len(raw)`` in [0, 1]; 0 for an empty ``raw``."""
+    return lcs_len(list(recovered), list(raw)) / len(raw) if raw else 0.0
+
+
+class RidgeInverter:
+    """Linear inversion: features ``[N, f]`` → input embedding ``[N, d]`` → nearest token.
+
+    Args:
+        embedding: the base model's input embedding matrix ``[V, d]`` (float).
+        ridge: L2 penalty λ of the least-squares fit (features are standardized first).
+    """
+
+    def __init__(self, embedding: torch.Tensor, ridge: float = 1.0):
+        e = embedding.detach().float()
+        self.unit = e / e.norm(dim=-1, keepdim=True).clamp_min(1e-6)
+        self.embedding = e
+        self.ridge = float(ridge)
+        self.W: torch.Tensor | None = None
+
+    def fit(self, X: torch.Tensor, ids: torch.Tensor) -> RidgeInverter:
+        """Fit on features ``X [N, f]`` of positions whose tokens are ``ids [N]``.
+
+        Raises:
+            ValueError: shapes disagree or there are no rows."""
+        X = X.float()
+        if X.ndim != 2 or X.shape[0] != ids.shape[0] or X.shape[0] == 0:
+            raise ValueError(f"features {tuple(X.shape)} and ids {tuple(ids.shape)} do not match")
+        self.mu, self.sd = X.mean(0), X.std(0).clamp_min(1e-6)
+        Z = torch.cat([(X - self.mu) / self.sd, torch.ones(X.shape[0], 1)], dim=1).double()
+        Y = self.embedding[ids].double()
+        A = Z.T @ Z + self.ridge * torch.eye(Z.shape[1], dtype=torch.float64)
+        self.W = torch.linalg.solve(A, Z.T @ Y).float()
+        return self
+
+    @torch.no_grad()
+    def predict(self, X: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+        """Recovered token ids ``[N]`` for features ``X [N, f]``.
+
+        Raises:
+            RuntimeError: called before :meth:`fit`."""
+        if self.W is None:
+            raise RuntimeError("fit the inverter before predicting")
+        Z = torch.cat([(X.float() - self.mu) / self.sd, torch.ones(X.shape[0], 1)], dim=1)
+        out = []
+        for i in range(0, Z.shape[0], chunk):
+            y = Z[i:i + chunk] @ self.W
+            out.append(torch.argmax(y @ self.unit.T, dim=-1))
+        return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
+
+
+# ---------------------------------------------------------------------- payload features
+
+def kv_features(cache, layers: list[int]) -> dict[int, torch.Tensor]:
+    """Per layer, the keys and values of every position, heads flattened: ``{layer: [T,
+    2·H_kv·D]}`` from a ``DynamicCache`` (batch 1) — what a KV-cache receiver holds."""
+    out = {}
+    for i in layers:
+        layer = cache.layers[i]
+        k, v = layer.keys[0], layer.values[0]  # [H, T, D]
+        out[i] = torch.cat([k.permute(1, 0, 2).reshape(k.shape[1], -1),
+                            v.permute(1, 0, 2).reshape(v.shape[1], -1)], dim=-1).float()
+    return out
+
+
+def hidden_features(hidden_states, layers: list[int]) -> dict[int, torch.Tensor]:
+    """``{layer: [T, d]}``: the hidden state *after* decoder layer ``layer`` (index ``layer +
+    1`` of ``output_hidden_states``), what split inference at that layer would send."""
+    return {i: hidden_states[i + 1][0].float() for i in layers}
+
+
+def topk_features(logits: torch.Tensor, k: int, embedding: torch.Tensor) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+    """Top-``k`` next-token distribution per position and its features.
+
+    Args:
+        logits: ``[T, V]`` next-token logits at every position.
+        k: entries kept per position (renormalised).
+        embedding: ``[V, d]`` input embeddings.
+
+    Returns:
+        ``(features [T, 2d], ids int32 [T, k], probs float16 [T, k])``: the features are the
+        probability-weighted mean embedding of the top-k and the embedding of the top-1 — an
+        attacker's summary of what the payload (``ids``, ``probs``) says."""
+    p = torch.softmax(logits.float(), dim=-1)
+    vals, ids = torch.topk(p, k, dim=-1)
+    vals = vals / vals.sum(-1, keepdim=True)
+    e = embedding.float()
+    mean = torch.einsum("tk,tkd->td", vals, e[ids])
+    feats = torch.cat([mean, e[ids[:, 0]]], dim=-1)
+    return feats, ids.numpy().astype(np.int32), vals.numpy().astype(np.float16)
+
+
+def topk_from_payload(ids: np.ndarray, probs: np.ndarray, embedding: torch.Tensor) -> torch.Tensor:
+    """The features of :func:`topk_features` recomputed from the payload as received."""
+    e = embedding.float()
+    t_ids = torch.as_tensor(ids.astype(np.int64))
+    p = torch.as_tensor(probs.astype(np.float32))
+    p = p / p.sum(-1, keepdim=True).clamp_min(1e-9)
+    return torch.cat([torch.einsum("tk,tkd->td", p, e[t_ids]), e[t_ids[:, 0]]], dim=-1)

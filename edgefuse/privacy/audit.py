@@ -1,0 +1,209 @@
+"""The outbound payload audit: one choke point for everything that leaves a device.
+
+Every outbound payload of a device passes :func:`outbound` *before* it is encrypted:
+
+* Flower replies (adapter updates, metrics, relayed C2C frames) — through the ClientApp mod
+  :func:`flower_mod`, which scans each reply's arrays and configs;
+* cloud frames (OPEN / VERIFY / FUSE …) — :class:`cloud.link.CloudLink` calls it with each
+  message's plaintext;
+* C2C relays (KV caches, T2T answers) — :func:`fusers.peer.encode_payload` calls it with the
+  plaintext it is about to seal.
+
+The audit keeps, per payload type, the number of payloads and bytes seen and the number of
+*canary hits*: a canary value (:mod:`edgefuse.privacy.canaries`) found in the payload as
+UTF-8 text or as the token ids of that text (int32 big-endian as on the cloud link,
+int32/int64 little-endian as in numpy arrays). Hits are counted, never stored with their
+value, so the audit itself holds no private text.
+
+The audit is per process. Canaries are registered by the device (:func:`watch`); a token
+scan needs the device's tokenizer (:func:`use_tokenizer`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+PAYLOADS = ("kv", "draft_tokens", "logits_topk", "hidden", "adapter", "text", "control")
+
+
+@dataclass
+class PayloadStats:
+    """Per payload type: ``payloads`` seen, ``bytes`` (plaintext), ``canary_hits``
+    (payloads × canaries found), and ``hit_kinds`` (how each hit was found: text / tokens)."""
+    payloads: int = 0
+    bytes: int = 0
+    canary_hits: int = 0
+    hit_kinds: dict = field(default_factory=lambda: defaultdict(int))
+
+    def to_dict(self) -> dict:
+        return {"payloads": self.payloads, "bytes": self.bytes, "canary_hits": self.canary_hits,
+                "hit_kinds": dict(self.hit_kinds)}
+
+
+class OutboundAudit:
+    """Counts and canary-scans outbound payloads (thread-safe)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._canaries: list[str] = []
+        self._patterns: list[tuple[str, bytes]] = []  # (how, needle)
+        self._tok = None
+        self.stats: dict[str, PayloadStats] = defaultdict(PayloadStats)
+
+    # -- configuration ----------------------------------------------------------------
+
+    def watch(self, canaries: list[str]) -> None:
+        """Scan for these private values from now on (adds to what is watched)."""
+        with self._lock:
+            for c in canaries:
+                if c and c not in self._canaries:
+                    self._canaries.append(c)
+            self._rebuild()
+
+    def use_tokenizer(self, tok) -> None:
+        """Also scan for the canaries' token ids under ``tok`` (the device's tokenizer)."""
+        with self._lock:
+            if tok is self._tok:
+                return
+            self._tok = tok
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        pats: list[tuple[str, bytes]] = []
+        for c in self._canaries:
+            pats.append(("text", c.encode("utf-8")))
+            if self._tok is None:
+                continue
+            for variant in (c, " " + c):
+                ids = self._tok.encode(variant, add_special_tokens=False)
+                if not ids:
+                    continue
+                arr = np.asarray(ids)
+                for dtype in (">i4", "<i4", "<i8"):
+                    pats.append(("tokens", arr.astype(dtype).tobytes()))
+        self._patterns = pats
+
+    # -- scanning ---------------------------------------------------------------------
+
+    def scan(self, data: bytes) -> dict[str, int]:
+        """Canary hits in ``data``: ``{"text": n, "tokens": m}`` (a canary counts once per
+        way it is found)."""
+        with self._lock:
+            patterns, canaries = list(self._patterns), len(self._canaries)
+        if not canaries:
+            return {}
+        found: dict[str, set[bytes]] = defaultdict(set)
+        for how, needle in patterns:
+            if needle in data:
+                found[how].add(needle)
+        return {how: len(v) for how, v in found.items()}
+
+    def outbound(self, payload: str, data: bytes | bytearray | memoryview) -> int:
+        """Record one outbound payload of type ``payload`` (one of :data:`PAYLOADS`), given
+        as the plaintext bytes about to be encrypted / sent. Returns its canary hits.
+
+        Raises:
+            ValueError: an unknown payload type.
+        """
+        if payload not in PAYLOADS:
+            raise ValueError(f"unknown payload type {payload!r}; one of {PAYLOADS}")
+        data = bytes(data)
+        hits = self.scan(data)
+        with self._lock:
+            st = self.stats[payload]
+            st.payloads += 1
+            st.bytes += len(data)
+            st.canary_hits += sum(hits.values())
+            for how, n in hits.items():
+                st.hit_kinds[how] += n
+        return sum(hits.values())
+
+    def snapshot(self, reset: bool = False) -> dict[str, dict]:
+        """``{payload type: PayloadStats.to_dict()}``; ``reset`` starts counting afresh."""
+        with self._lock:
+            out = {k: v.to_dict() for k, v in self.stats.items()}
+            if reset:
+                self.stats = defaultdict(PayloadStats)
+        return out
+
+
+AUDIT = OutboundAudit()
+"""The process-wide audit every choke point reports to."""
+
+
+def outbound(payload: str, data) -> int:
+    """Report an outbound plaintext payload to the process-wide audit (see
+    :meth:`OutboundAudit.outbound`)."""
+    return AUDIT.outbound(payload, data)
+
+
+def watch_canaries(cfg, tok) -> list[str]:
+    """Make the process-wide audit scan for this run's canary values (the identities of the
+    ``privacy.probe.canaries`` canary prompts drawn with ``cfg.seed``), as text and as ``tok``
+    ids. Nothing when ``privacy.enabled`` is false. Returns the watched values."""
+    priv = cfg.get("privacy")
+    if not priv or not priv.enabled:
+        return []
+    from .canaries import load_canary_prompts
+
+    prompts = load_canary_prompts(cfg.data.mirror, int(priv.probe.canaries), int(cfg.seed))
+    values = sorted({c for p in prompts for c in p.canaries})
+    AUDIT.watch(values)
+    AUDIT.use_tokenizer(tok)
+    return values
+
+
+def merge(snapshots: list[dict[str, dict]]) -> dict[str, dict]:
+    """Sum several :meth:`OutboundAudit.snapshot` dicts (e.g. from every client)."""
+    out: dict[str, dict] = {}
+    for snap in snapshots:
+        for k, v in snap.items():
+            o = out.setdefault(k, {"payloads": 0, "bytes": 0, "canary_hits": 0, "hit_kinds": {}})
+            for f in ("payloads", "bytes", "canary_hits"):
+                o[f] += int(v.get(f, 0))
+            for how, n in v.get("hit_kinds", {}).items():
+                o["hit_kinds"][how] = o["hit_kinds"].get(how, 0) + int(n)
+    return out
+
+
+def record_bytes(content) -> list[tuple[str, bytes]]:
+    """The bytes of a Flower ``RecordDict`` reply, as ``(payload type, bytes)`` pairs:
+    arrays of an ``ArrayRecord`` named like an adapter count as ``adapter``, relayed frames
+    as ``kv``, config values (strings, numbers) as ``text``."""
+    from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+
+    out = []
+    for name, rec in content.items():
+        if isinstance(rec, ArrayRecord):
+            kind = "adapter" if ("adapter" in name or "lora" in name or name == "arrays") else "kv"
+            for arr in rec.values():
+                out.append((kind, bytes(arr.data)))
+        elif isinstance(rec, (ConfigRecord, MetricRecord)):
+            parts = []
+            for k, v in rec.items():
+                vals = v if isinstance(v, list) else [v]
+                parts.append(str(k) + "=" + " ".join(str(x) if not isinstance(x, bytes) else "" for x in vals))
+                out.extend(("text", x) for x in vals if isinstance(x, bytes))
+            out.append(("text", "\n".join(parts).encode("utf-8")))
+    return out
+
+
+def flower_mod(msg, context, call_next):
+    """ClientApp mod: every reply's content passes :func:`outbound` before Flower sends it;
+    the reply gains a ``privacy_audit`` ConfigRecord with this handler's payload counts (the
+    cloud frames and C2C relays it sent included), so the server can sum them."""
+    import json
+
+    from flwr.app import ConfigRecord
+
+    AUDIT.snapshot(reset=True)
+    reply = call_next(msg, context)
+    if reply.has_content():
+        for kind, data in record_bytes(reply.content):
+            outbound(kind, data)
+        reply.content["privacy_audit"] = ConfigRecord({"stats": json.dumps(AUDIT.snapshot(reset=True))})
+    return reply
