@@ -64,7 +64,7 @@ def encode_payload(kind: str, qid: str, sender: ModelVersion, body: bytes) -> by
     header = json.dumps({"kind": kind, "qid": qid, "spec": sender.spec,
                          "adapter_hash": sender.adapter_hash}).encode()
     data = MAGIC + struct.pack("<I", len(header)) + header + body
-    outbound(kind, data)  # the device's outbound audit, before the caller seals it
+    outbound("kv" if kind == "kv" else "answer_text", data)  # the outbound audit, before sealing
     return data
 
 

@@ -27,13 +27,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-PAYLOADS = ("kv", "draft_tokens", "logits_topk", "hidden", "adapter", "text", "control")
+PAYLOADS = ("kv", "draft_tokens", "logits_topk", "hidden", "adapter", "prompt_text", "answer_text",
+            "metadata", "control")
 
 
 @dataclass
 class PayloadStats:
     """Per payload type: ``payloads`` seen, ``bytes`` (plaintext), ``canary_hits``
-    (payloads × canaries found), and ``hit_kinds`` (how each hit was found: text / tokens)."""
+    (payloads × canaries found), and ``hit_kinds`` (how each hit was found: ``as_text`` /
+    ``as_tokens``)."""
     payloads: int = 0
     bytes: int = 0
     canary_hits: int = 0
@@ -75,7 +77,7 @@ class OutboundAudit:
     def _rebuild(self) -> None:
         pats: list[tuple[str, bytes]] = []
         for c in self._canaries:
-            pats.append(("text", c.encode("utf-8")))
+            pats.append(("as_text", c.encode("utf-8")))
             if self._tok is None:
                 continue
             for variant in (c, " " + c):
@@ -84,13 +86,13 @@ class OutboundAudit:
                     continue
                 arr = np.asarray(ids)
                 for dtype in (">i4", "<i4", "<i8"):
-                    pats.append(("tokens", arr.astype(dtype).tobytes()))
+                    pats.append(("as_tokens", arr.astype(dtype).tobytes()))
         self._patterns = pats
 
     # -- scanning ---------------------------------------------------------------------
 
     def scan(self, data: bytes) -> dict[str, int]:
-        """Canary hits in ``data``: ``{"text": n, "tokens": m}`` (a canary counts once per
+        """Canary hits in ``data``: ``{"as_text": n, "as_tokens": m}`` (a canary counts once per
         way it is found)."""
         with self._lock:
             patterns, canaries = list(self._patterns), len(self._canaries)
@@ -173,7 +175,7 @@ def merge(snapshots: list[dict[str, dict]]) -> dict[str, dict]:
 def record_bytes(content) -> list[tuple[str, bytes]]:
     """The bytes of a Flower ``RecordDict`` reply, as ``(payload type, bytes)`` pairs:
     arrays of an ``ArrayRecord`` named like an adapter count as ``adapter``, relayed frames
-    as ``kv``, config values (strings, numbers) as ``text``."""
+    as ``kv``, config and metric values (strings, numbers) as ``metadata``."""
     from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 
     out = []
@@ -187,8 +189,8 @@ def record_bytes(content) -> list[tuple[str, bytes]]:
             for k, v in rec.items():
                 vals = v if isinstance(v, list) else [v]
                 parts.append(str(k) + "=" + " ".join(str(x) if not isinstance(x, bytes) else "" for x in vals))
-                out.extend(("text", x) for x in vals if isinstance(x, bytes))
-            out.append(("text", "\n".join(parts).encode("utf-8")))
+                out.extend(("metadata", x) for x in vals if isinstance(x, bytes))
+            out.append(("metadata", "\n".join(parts).encode("utf-8")))
     return out
 
 

@@ -225,7 +225,7 @@ def run_probe(model, tok, privacy_cfg, mirror, data_cfg, seed: int, adapter: byt
         audit.snapshot(reset=True)
         for raw, text in zip(raw_ids, texts):
             ids, payloads, feats = _observe(model, tok, text, layers, topk, 64)
-            audit.outbound("text", text.encode("utf-8"))
+            audit.outbound("prompt_text", text.encode("utf-8"))
             for kind, data in payloads.items():
                 audit.outbound(kind, data)
             guesses = {key: att.predict(feats[key]).tolist() for key, att in attackers.items()}
@@ -236,7 +236,7 @@ def run_probe(model, tok, privacy_cfg, mirror, data_cfg, seed: int, adapter: byt
         if adapter is not None:
             audit.outbound("adapter", adapter)
         stats = audit.snapshot(reset=True)
-        hits_text = stats.get("text", {}).get("canary_hits", 0)
+        hits_text = stats.get("prompt_text", {}).get("canary_hits", 0)
         task = None
         if queries:
             stems, _ = protector([_stem(q.instruction) for q in queries], mode)

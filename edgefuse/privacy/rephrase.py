@@ -84,8 +84,13 @@ def check(text: str, out: str) -> RephraseResult:
 
 
 def rephrase_batch(model, tok, texts: list[str], max_new_tokens: int = 96,
-                   batch_size: int = 8) -> list[RephraseResult]:
-    """Rephrase several prompts with the device SLM (greedy, left-padded batches).
+                   batch_size: int = 8, attempts: int = 3, temperature: float = 0.8,
+                   seed: int = 0) -> list[RephraseResult]:
+    """Rephrase several prompts with the device SLM (left-padded batches).
+
+    The first attempt is greedy; prompts whose output is rejected (:func:`check`: small
+    models often copy the input) are tried again, up to ``attempts`` in all, sampling at
+    ``temperature`` from a generator seeded by ``seed`` (deterministic for a seed).
 
     Args:
         model: a loaded Hugging Face causal LM (``edgefuse.models.load_model``).
@@ -94,6 +99,9 @@ def rephrase_batch(model, tok, texts: list[str], max_new_tokens: int = 96,
         texts: prompts (may contain ``<TYPE_n>`` placeholders).
         max_new_tokens: generation budget per prompt.
         batch_size: prompts per ``generate`` call.
+        attempts: generations per prompt at most (1 = greedy only).
+        temperature: sampling temperature of the retries.
+        seed: seed of the retries' sampling.
 
     Returns:
         one :class:`RephraseResult` per input, in order (see :func:`check`). Empty inputs
@@ -113,20 +121,27 @@ def rephrase_batch(model, tok, texts: list[str], max_new_tokens: int = 96,
         tok.pad_token = tok.eos_token
     try:
         device = next(model.parameters()).device
-        for b in range(0, len(todo), batch_size):
-            idx = todo[b:b + batch_size]
-            prompts = [build_prompt(tok, texts[i]) for i in idx]
-            enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-            enc = {k: v.to(device) for k, v in enc.items()}
-            with torch.inference_mode():
-                out = model.generate(input_ids=enc["input_ids"],
-                                     attention_mask=enc["attention_mask"],
-                                     max_new_tokens=max_new_tokens, do_sample=False,
-                                     pad_token_id=tok.pad_token_id)
-            new = out[:, enc["input_ids"].shape[1]:]
-            for i, ids in zip(idx, new):
-                raw = tok.decode(ids, skip_special_tokens=True)
-                results[i] = check(texts[i], clean_output(raw))
+        for attempt in range(max(1, int(attempts))):
+            sample = attempt > 0
+            if sample:
+                todo = [i for i in todo if results[i] is not None and results[i].fell_back]
+                torch.manual_seed(int(seed) * 1000 + attempt)
+            for b in range(0, len(todo), batch_size):
+                idx = todo[b:b + batch_size]
+                prompts = [build_prompt(tok, texts[i]) for i in idx]
+                enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+                enc = {k: v.to(device) for k, v in enc.items()}
+                kw = dict(do_sample=True, temperature=float(temperature), top_p=0.95) if sample else \
+                    dict(do_sample=False)
+                with torch.inference_mode():
+                    out = model.generate(input_ids=enc["input_ids"],
+                                         attention_mask=enc["attention_mask"],
+                                         max_new_tokens=max_new_tokens,
+                                         pad_token_id=tok.pad_token_id, **kw)
+                new = out[:, enc["input_ids"].shape[1]:]
+                for i, ids in zip(idx, new):
+                    raw = tok.decode(ids, skip_special_tokens=True)
+                    results[i] = check(texts[i], clean_output(raw))
     finally:
         tok.padding_side = side
         if pad is None:
