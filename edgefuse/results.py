@@ -511,11 +511,16 @@ def decoding_csv_text(results: Mapping) -> str:
     """CSV of the ``decoding`` rows (columns of :data:`cloud.evaluate.ROW_FIELDS`)."""
     from cloud.evaluate import ROW_FIELDS
 
+    return _rows_csv(results.get("decoding", []), ROW_FIELDS)
+
+
+def _rows_csv(rows, fields) -> str:
+    """CSV text of ``rows`` (dicts) with the columns ``fields``."""
     buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=ROW_FIELDS, extrasaction="ignore", lineterminator="\n")
+    w = csv.DictWriter(buf, fieldnames=fields, extrasaction="ignore", lineterminator="\n")
     w.writeheader()
-    for row in results.get("decoding", []):
-        w.writerow({k: _csv_cell(row.get(k)) for k in ROW_FIELDS})
+    for row in rows:
+        w.writerow({k: _csv_cell(row.get(k)) for k in fields})
     return buf.getvalue()
 
 
@@ -568,12 +573,7 @@ def decoding_table(results: Mapping) -> Table:
 
 def privacy_csv_text(results: Mapping) -> str:
     """CSV of the ``privacy`` rows (columns :data:`PRIVACY_FIELDS`)."""
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=PRIVACY_FIELDS, extrasaction="ignore", lineterminator="\n")
-    w.writeheader()
-    for row in results.get("privacy", []):
-        w.writerow({k: _csv_cell(row.get(k)) for k in PRIVACY_FIELDS})
-    return buf.getvalue()
+    return _rows_csv(results.get("privacy", []), PRIVACY_FIELDS)
 
 
 def _privacy_grid(rows: list[Mapping], key: str) -> tuple[list[str], list[str], list[list[float | None]]]:

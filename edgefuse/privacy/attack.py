@@ -46,7 +46,7 @@ def lcs_len(a: list[int], b: list[int]) -> int:
 
 def token_accuracy(recovered: list[int], raw: list[int]) -> float:
     """``LCS(recovered, raw) / len(raw)`` in [0, 1]; 0 for an empty ``raw``."""
-    return lcs_len(list(recovered), list(raw)) / len(raw) if raw else 0.0
+    return lcs_len(list(recovered), list(raw)) / len(raw) if len(raw) else 0.0
 
 
 class RidgeInverter:

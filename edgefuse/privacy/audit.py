@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 PAYLOADS = ("kv", "draft_tokens", "logits_topk", "hidden", "adapter", "prompt_text", "answer_text",
-            "metadata", "control")
+            "metadata", "control", "sealed")
 
 
 @dataclass
@@ -174,14 +174,15 @@ def merge(snapshots: list[dict[str, dict]]) -> dict[str, dict]:
 
 def record_bytes(content) -> list[tuple[str, bytes]]:
     """The bytes of a Flower ``RecordDict`` reply, as ``(payload type, bytes)`` pairs:
-    arrays of an ``ArrayRecord`` named like an adapter count as ``adapter``, relayed frames
-    as ``kv``, config and metric values (strings, numbers) as ``metadata``."""
+    arrays of the ``adapter`` record count as ``adapter``, other arrays (C2C ``frames``,
+    already sealed end to end: their plaintext was audited by ``fusers.peer``) as ``sealed``,
+    config and metric values (strings, numbers) as ``metadata``."""
     from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 
     out = []
     for name, rec in content.items():
         if isinstance(rec, ArrayRecord):
-            kind = "adapter" if ("adapter" in name or "lora" in name or name == "arrays") else "kv"
+            kind = "adapter" if name == "adapter" else "sealed"
             for arr in rec.values():
                 out.append((kind, bytes(arr.data)))
         elif isinstance(rec, (ConfigRecord, MetricRecord)):
