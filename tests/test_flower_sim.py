@@ -95,6 +95,7 @@ def test_tiny_c2c_trains_hosts_and_applies_fusers_for_every_pair(tmp_path):
     for name in ("c2c.csv", "c2c.png"):
         assert (out / name).stat().st_size > 0
     _check_decoding(res, out)
+    _check_privacy(res, out)
 
 
 def _check_decoding(res: dict, out: Path) -> None:
@@ -117,6 +118,32 @@ def _check_decoding(res: dict, out: Path) -> None:
     svc = res["summary"]["cloud_service"]
     assert svc["max_batch_size"] >= 2 and svc["frames_rejected"] == 0  # ...at the same time
     for name in ("decoding.csv", "decoding.png", "cloud_service.log"):
+        assert (out / name).stat().st_size > 0
+
+
+def _check_privacy(res: dict, out: Path) -> None:
+    """The same run's privacy phase (on by default, protection ``both``): the probe's rows for
+    every payload x protection, no canary found once prompts are redacted, and the run's live
+    outbound audit (cloud frames, C2C relays, Flower replies) free of canaries."""
+    modes = ["none", "redact", "rephrase", "both"]
+    payloads = ["kv", "hidden", "logits_topk", "draft_tokens", "adapter"]
+    assert res["config"]["privacy"]["probe"]["modes"] == modes
+    rows = {(r["payload"], r["protection"]): r for r in res["privacy"]}
+    assert len(rows) == len(res["privacy"]) == len(payloads) * len(modes)
+    assert set(rows) == {(p, m) for p in payloads for m in modes}
+    for (p, m), r in rows.items():
+        if m in ("redact", "both"):
+            assert r["canary_hits"] == 0, (p, m)
+        assert r["payloads"] > 0 and r["bytes"] > 0
+    # unprotected, the cloud reads the canaries in the prompt ids: the scan must see them
+    assert rows[("draft_tokens", "none")]["canary_hits"] > 0
+    assert rows[("draft_tokens", "none")]["attacker_token_acc"] == 1.0
+    audit = res["privacy_audit"]
+    assert audit["draft_tokens"]["payloads"] > 0 and audit["adapter"]["payloads"] > 0
+    assert sum(v["canary_hits"] for v in audit.values()) == 0, audit
+    summary = res["summary"]["privacy"]
+    assert summary["canary_hits_with_redaction"] == 0 and summary["live_canary_hits"] == 0
+    for name in ("privacy.csv", "privacy.png"):
         assert (out / name).stat().st_size > 0
 
 
