@@ -24,8 +24,10 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from cloud.decode import auth_from_config, decode_config
 from cloud.evaluate import pruned_head, run_devices
 from cloud.target import tokenizer_fingerprint
+from edgefuse.privacy.audit import watch_canaries
 from edgefuse.privacy.protect import client_protection, protect_batch
 from edgefuse.privacy.redact import restore
+from edgefuse.privacy.rephrase import PLACEHOLDER
 from edgefuse.transport.wan import WanProfile
 from fusers.queries import Query
 
@@ -44,10 +46,26 @@ def protect_queries(queries: list[Query], mode: str, model, tok, redactor=None,
     ctx = protect_batch([q.context for q in queries], ctx_mode, redactor=redactor)
     out, maps = [], []
     for q, i, c in zip(queries, ins, ctx):
-        out.append(replace(q, instruction=i.text, context=c.text if q.context else q.context))
-        # redacted separately, both may use <PERSON_1>: the instruction's value wins
-        maps.append({**c.mapping, **i.mapping})
+        context, mapping = join_placeholders(i.mapping, c.text, c.mapping)
+        out.append(replace(q, instruction=i.text, context=context if q.context else q.context))
+        maps.append(mapping)
     return out, maps
+
+
+def join_placeholders(first: dict, text: str, mapping: dict) -> tuple[str, dict]:
+    """Renumber the placeholders of a second text redacted on its own (both number from
+    ``<PERSON_1>``): a value already in ``first`` takes its placeholder, a new value the next
+    free number of its type. Returns ``(text renumbered, the joint mapping)``."""
+    joint, by_value, renames = dict(first), {v: k for k, v in first.items()}, {}
+    for ph, value in mapping.items():
+        if value in by_value:
+            renames[ph] = by_value[value]
+            continue
+        new, kind, n = ph, ph[1:-1].rsplit("_", 1)[0], 1
+        while new in joint:
+            new, n = f"<{kind}_{n}>", n + 1
+        joint[new], by_value[value], renames[ph] = value, new, new
+    return PLACEHOLDER.sub(lambda m: renames.get(m.group(0), m.group(0)), text), joint
 
 
 def _canary_queries(cfg, n: int) -> list[Query]:
@@ -68,7 +86,11 @@ def decode(msg: Message, context: Context, client) -> RecordDict:
     queries = [Query.from_dict(q) for q in json.loads(str(conf["queries"]))]
     model, tok = client.slot["peft"], client.slot["tok"]
     mode = client_protection(cfg, client.entry)
-    redactor = Redactor.from_config(cfg) if mode in ("redact", "both") else None
+    redactor = None
+    if mode in ("redact", "both"):
+        redactor = Redactor.from_config(cfg)
+        if cfg.privacy.redact.get("known_identities", False):  # the identities this device holds
+            redactor.remember(watch_canaries(cfg, tok))
     max_new = int(cfg.privacy.rephrase.max_new_tokens) if cfg.get("privacy") else 96
     sent, maps = protect_queries(queries, mode, model, tok, redactor, max_new)
     dcfg = decode_config(c, auth=auth_from_config(cfg.get("privacy")))

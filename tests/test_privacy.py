@@ -194,9 +194,6 @@ def test_audit_counts_payloads_bytes_and_hits_per_type(tiny):
     assert aud.snapshot() == {}
 
 
-@pytest.mark.xfail(strict=True, reason="audit bug: scan counts matching needles, not canaries: "
-                   "a canary whose ids nest in those of ' '+canary, or a one-token canary in int64 "
-                   "data, counts twice (docstring: once per way it is found)")
 def test_a_canary_counts_once_per_way_it_is_found(tiny):
     _, tok = tiny
     aud = A.OutboundAudit()
@@ -687,3 +684,14 @@ def test_audit_tally_sums_every_reply():
         "adapter": {"payloads": 1, "bytes": 1000, "canary_hits": 0, "hit_kinds": {}},
     }
 
+
+
+def test_join_placeholders_renumbers_a_separately_redacted_context():
+    from client_app.decode import join_placeholders
+
+    text, joint = join_placeholders(
+        {"<PERSON_1>": "Keira Forster"}, "<PERSON_1> met <PERSON_2> at <EMAIL_ADDRESS_1>",
+        {"<PERSON_1>": "Taus Korgay", "<PERSON_2>": "Keira Forster", "<EMAIL_ADDRESS_1>": "k@f.io"})
+    assert text == "<PERSON_2> met <PERSON_1> at <EMAIL_ADDRESS_1>"
+    assert joint == {"<PERSON_1>": "Keira Forster", "<PERSON_2>": "Taus Korgay",
+                     "<EMAIL_ADDRESS_1>": "k@f.io"}

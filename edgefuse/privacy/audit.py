@@ -52,7 +52,7 @@ class OutboundAudit:
     def __init__(self):
         self._lock = threading.Lock()
         self._canaries: list[str] = []
-        self._patterns: list[tuple[str, bytes]] = []  # (how, needle)
+        self._patterns: list[tuple[int, str, bytes]] = []  # (canary index, how, needle)
         self._tok = None
         self.stats: dict[str, PayloadStats] = defaultdict(PayloadStats)
 
@@ -75,9 +75,9 @@ class OutboundAudit:
             self._rebuild()
 
     def _rebuild(self) -> None:
-        pats: list[tuple[str, bytes]] = []
-        for c in self._canaries:
-            pats.append(("as_text", c.encode("utf-8")))
+        pats: list[tuple[int, str, bytes]] = []
+        for n, c in enumerate(self._canaries):
+            pats.append((n, "as_text", c.encode("utf-8")))
             if self._tok is None:
                 continue
             for variant in (c, " " + c):
@@ -86,7 +86,7 @@ class OutboundAudit:
                     continue
                 arr = np.asarray(ids)
                 for dtype in (">i4", "<i4", "<i8"):
-                    pats.append(("as_tokens", arr.astype(dtype).tobytes()))
+                    pats.append((n, "as_tokens", arr.astype(dtype).tobytes()))
         self._patterns = pats
 
     # -- scanning ---------------------------------------------------------------------
@@ -98,11 +98,11 @@ class OutboundAudit:
             patterns, canaries = list(self._patterns), len(self._canaries)
         if not canaries:
             return {}
-        found: dict[str, set[bytes]] = defaultdict(set)
-        for how, needle in patterns:
-            if needle in data:
-                found[how].add(needle)
-        return {how: len(v) for how, v in found.items()}
+        found: dict[str, set[int]] = defaultdict(set)
+        for n, how, needle in patterns:
+            if n not in found[how] and needle in data:
+                found[how].add(n)
+        return {how: len(v) for how, v in found.items() if v}
 
     def outbound(self, payload: str, data: bytes | bytearray | memoryview) -> int:
         """Record one outbound payload of type ``payload`` (one of :data:`PAYLOADS`), given
