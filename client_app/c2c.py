@@ -67,9 +67,26 @@ def _queries(conf) -> list[Query]:
     return [Query.from_dict(d) for d in json.loads(str(conf["queries"]))]
 
 
+SEALED_RECORD = "c2c_sealed_sessions"
+
+
+class SessionReuseError(ValueError):
+    """The server asked this node to seal again under a session it already sealed under:
+    the AES-GCM nonces (per-direction counters from 0) would repeat under the same key."""
+
+
 def _session(context: Context, conf, initiator: bool):
-    return derive_session(keypair(context), bytes(conf["peer_public_key"]),
-                          bytes.fromhex(str(conf["session_id"])), initiator=initiator)
+    """The session this node seals under for ``conf``'s peer and session id. Each (peer key,
+    session id, direction) seals once per node: a repeat is refused (:class:`SessionReuseError`)
+    rather than reusing nonces, whatever the server asks."""
+    peer, sid = bytes(conf["peer_public_key"]), str(conf["session_id"])
+    tag = f"{peer.hex()}:{sid}:{int(initiator)}"
+    used = list(context.state[SEALED_RECORD]["tags"]) if SEALED_RECORD in context.state.config_records else []
+    if tag in used:
+        raise SessionReuseError(f"session {sid[:8]}… was already used to seal payloads for this peer; "
+                                "refusing to reuse its nonces")
+    context.state[SEALED_RECORD] = ConfigRecord({"tags": used + [tag]})
+    return derive_session(keypair(context), peer, bytes.fromhex(sid), initiator=initiator)
 
 
 def _frames_record(frames: list[bytes]) -> tuple[ArrayRecord, list[int]]:

@@ -438,3 +438,21 @@ def test_scrub_text_tags():
     red = redact_results(results)
     assert red["config"]["prompt"] == "kept" and PRIVATE not in json.dumps(red)
     assert results["x"][0]["prompt"] == PRIVATE  # the input is not changed
+
+
+def test_a_node_never_seals_twice_under_one_session():
+    """A server that repeats a session id would make the node reuse AES-GCM nonces: refused."""
+    from flwr.app import ConfigRecord, Context, RecordDict
+
+    from client_app.c2c import SessionReuseError, _session
+    from edgefuse.transport.crypto import generate_keypair
+
+    ctx = Context(run_id=1, node_id=7, node_config={}, state=RecordDict(), run_config={})
+    conf = ConfigRecord({"peer_public_key": generate_keypair().public_bytes(), "session_id": "ab" * 16})
+    first = _session(ctx, conf, initiator=True)
+    assert first.seal(b"x")
+    _session(ctx, conf, initiator=False)  # the other direction has its own key
+    with pytest.raises(SessionReuseError, match="already used"):
+        _session(ctx, conf, initiator=True)
+    conf2 = ConfigRecord({"peer_public_key": conf["peer_public_key"], "session_id": "cd" * 16})
+    _session(ctx, conf2, initiator=True)  # a fresh session id is fine
