@@ -86,6 +86,52 @@ def plot_layers(layers: list[dict], path: Path) -> Path:
     return _save_png(fig, path)
 
 
+def rescan(model, tok, priv, args, out: Path) -> int:
+    """Recount the canary hits per payload × protection with the current audit (the same
+    canary prompts, protections and encoders as the probe) and update ``out`` in place."""
+    import json
+
+    from edgefuse.privacy.audit import OutboundAudit
+    from edgefuse.privacy.canaries import load_canary_prompts
+    from edgefuse.privacy.probe import _observe, default_protector, resolve_layers
+    from edgefuse.privacy.redact import Redactor
+
+    report = json.loads(out.read_text())
+    prompts = load_canary_prompts(args.mirror, int(priv.probe.canaries), args.seed)
+    values = sorted({c for p in prompts for c in p.canaries})
+    red = Redactor(entities=list(priv.redact.entities))
+    red.remember(values)
+    protector = default_protector(model, tok, red, int(priv.rephrase.max_new_tokens))
+    audit = OutboundAudit()
+    audit.watch(values)
+    audit.use_tokenizer(tok)
+    layers = resolve_layers(list(priv.probe.attack_layers), int(model.config.num_hidden_layers))
+    hits = {}
+    for mode in priv.probe.modes:
+        texts, _ = protector([p.text for p in prompts], str(mode))
+        audit.snapshot(reset=True)
+        for text in texts:
+            _, payloads, _ = _observe(model, tok, text, layers, int(priv.probe.topk), 64)
+            audit.outbound("prompt_text", text.encode("utf-8"))
+            for kind, data in payloads.items():
+                audit.outbound(kind, data)
+        stats = audit.snapshot(reset=True)
+        for payload, st in stats.items():
+            hits[(payload, str(mode))] = st["canary_hits"]
+        print(f"{mode}: " + ", ".join(f"{k} {v['canary_hits']}" for k, v in stats.items()), flush=True)
+    for row in report["rows"]:
+        if row["payload"] == "adapter":
+            continue
+        extra = hits.get(("prompt_text", row["protection"]), 0) if row["payload"] == "draft_tokens" else 0
+        row["canary_hits"] = hits.get((row["payload"], row["protection"]), 0) + extra
+    report["targets"] = check_targets(report["rows"])
+    report["canary_rescan"] = "python bench/bench_privacy.py --rescan-canaries"
+    atomic_write_json(out, report)
+    plot_privacy({"privacy": report["rows"]}, out.with_suffix(".png"))
+    print(f"updated the canary hits in {out}: {report['targets']['canary_hits_with_redaction']}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen2.5-coder-0.5b", help="the device model attacked")
@@ -100,6 +146,9 @@ def main(argv=None) -> int:
     ap.add_argument("--mirror", default=default_mirror())
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "bench_privacy.json"))
+    ap.add_argument("--rescan-canaries", action="store_true",
+                    help="recount only the canary hits of every payload (no attackers, no task) and "
+                         "update them in an existing --out JSON")
     args = ap.parse_args(argv)
     if args.quick:
         args.canaries, args.task_n, args.train_prompts, args.layers = 8, 8, 100, "0,0.5,1.0"
@@ -126,6 +175,8 @@ def main(argv=None) -> int:
         if done == total or done % 25 == 0:
             print(f"[{time.perf_counter() - t0:7.1f} s] {stage}: {done}/{total}", flush=True)
 
+    if args.rescan_canaries:
+        return rescan(model, tok, priv, args, Path(args.out))
     res = run_probe(model, tok, priv, args.mirror, cfg.data, args.seed, progress=progress)
     targets = check_targets(res.rows)
     out = Path(args.out)

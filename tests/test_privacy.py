@@ -202,9 +202,10 @@ def test_a_canary_counts_once_per_way_it_is_found(tiny):
     ids = ids_of(tok, "Follow up with Keira Forster in a couple of months.")
     assert aud.scan(np.asarray(ids, ">i4").tobytes()) == {"as_tokens": 1}
     one = A.OutboundAudit()
-    one.watch(["Federated"])  # a single id under the tiny tokenizer
+    one.watch(["Federated"])  # a single id under the tiny tokenizer: scanned as text only
     one.use_tokenizer(tok)
-    assert one.scan(np.asarray(ids_of(tok, "Federated learning"), "<i8").tobytes()) == {"as_tokens": 1}
+    assert one.scan(np.asarray(ids_of(tok, "Federated learning"), "<i8").tobytes()) == {}
+    assert one.scan(b"Federated learning") == {"as_text": 1}
 
 
 def test_merge_sums_snapshots():

@@ -12,7 +12,9 @@ Every outbound payload of a device passes :func:`outbound` *before* it is encryp
 The audit keeps, per payload type, the number of payloads and bytes seen and the number of
 *canary hits*: a canary value (:mod:`edgefuse.privacy.canaries`) found in the payload as
 UTF-8 text or as the token ids of that text (int32 big-endian as on the cloud link,
-int32/int64 little-endian as in numpy arrays). Hits are counted, never stored with their
+int32/int64 little-endian as in numpy arrays) when they are two or more ids (a single id is
+a common vocabulary item — " Lewis" is also a top-k prediction — and 4 bytes match by chance
+inside any array, so one-token canaries are scanned as text only). Hits are counted, never stored with their
 value, so the audit itself holds no private text.
 
 The audit is per process. Canaries are registered by the device (:func:`watch`); a token
@@ -82,8 +84,8 @@ class OutboundAudit:
                 continue
             for variant in (c, " " + c):
                 ids = self._tok.encode(variant, add_special_tokens=False)
-                if not ids:
-                    continue
+                if len(ids) < 2:  # one id is a common vocabulary item (a top-k prediction,
+                    continue      # 4 bytes inside any array): such a canary is scanned as text
                 arr = np.asarray(ids)
                 for dtype in (">i4", "<i4", "<i8"):
                     pats.append((n, "as_tokens", arr.astype(dtype).tobytes()))
