@@ -66,3 +66,12 @@ def test_json_round_trip_and_client_entry():
 def test_bad_c2c_settings_fail_at_compose_time(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         compose("tiny", [override])
+
+
+@pytest.mark.parametrize("override", [
+    "privacy.max_update_norm=abc", "privacy.cloud_auth.flag_cache=maybe", "privacy.cloud_auth.l_cache=2.5",
+    "privacy.redact.spacy_model=not_a_spacy_model", "privacy.redact.score_threshold=7",
+    "privacy.rephrase.max_new_tokens=0", "privacy.probe.ridge=-1", "privacy.probe.task_n=abc"])
+def test_bad_privacy_settings_fail_at_compose_time(override):
+    with pytest.raises(ConfigError, match="privacy"):
+        compose("tiny", override)

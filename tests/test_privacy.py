@@ -696,3 +696,17 @@ def test_join_placeholders_renumbers_a_separately_redacted_context():
     assert text == "<PERSON_2> met <PERSON_1> at <EMAIL_ADDRESS_1>"
     assert joint == {"<PERSON_1>": "Keira Forster", "<PERSON_2>": "Taus Korgay",
                      "<EMAIL_ADDRESS_1>": "k@f.io"}
+
+
+def test_audit_matches_text_case_insensitively_and_through_json_escapes():
+    import json as _json
+
+    from flwr.app import ConfigRecord, RecordDict
+
+    aud = A.OutboundAudit()
+    aud.watch(["Björn Ødegård", "Keira Forster", "abc"])  # "abc" is too short to watch
+    assert aud.scan(b"call KEIRA FORSTER now") == {"as_text": 1}
+    assert aud.scan(b"abcdef") == {}
+    reply = RecordDict({"r": ConfigRecord({"records": _json.dumps([{"x": "Björn Ødegård"}])})})
+    assert "\\u00d8" in str(reply["r"]["records"])  # json.dumps escaped the name
+    assert [aud.scan(b) for _, b in A.record_bytes(reply)] == [{"as_text": 1}]
