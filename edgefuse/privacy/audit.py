@@ -64,10 +64,11 @@ class OutboundAudit:
     def watch(self, canaries: list[str]) -> None:
         """Scan for these private values from now on (adds to what is watched)."""
         with self._lock:
-            for c in canaries:  # shorter values would match inside ordinary words
-                if c and len(c) >= 4 and c not in self._canaries:
-                    self._canaries.append(c)
-            self._rebuild()
+            new = [c for c in dict.fromkeys(canaries)  # shorter values would match inside words
+                   if c and len(c) >= 4 and c not in self._canaries]
+            if new:  # called with every message: re-tokenize only when something is added
+                self._canaries.extend(new)
+                self._rebuild()
 
     def use_tokenizer(self, tok) -> None:
         """Also scan for the canaries' token ids under ``tok`` (the device's tokenizer)."""
@@ -147,6 +148,9 @@ def outbound(payload: str, data) -> int:
     return AUDIT.outbound(payload, data)
 
 
+_CANARY_VALUES: dict[tuple, list[str]] = {}
+
+
 def watch_canaries(cfg, tok) -> list[str]:
     """Make the process-wide audit scan for this run's canary values (the identities of the
     ``privacy.probe.canaries`` canary prompts drawn with ``cfg.seed``), as text and as ``tok``
@@ -154,10 +158,13 @@ def watch_canaries(cfg, tok) -> list[str]:
     priv = cfg.get("privacy")
     if not priv or not priv.enabled:
         return []
-    from .canaries import load_canary_prompts
+    key = (cfg.data.mirror, int(priv.probe.canaries), int(cfg.seed))
+    if key not in _CANARY_VALUES:  # read the identities CSV once per process, not per message
+        from .canaries import load_canary_prompts
 
-    prompts = load_canary_prompts(cfg.data.mirror, int(priv.probe.canaries), int(cfg.seed))
-    values = sorted({c for p in prompts for c in p.canaries})
+        prompts = load_canary_prompts(*key)
+        _CANARY_VALUES[key] = sorted({c for p in prompts for c in p.canaries})
+    values = list(_CANARY_VALUES[key])
     AUDIT.watch(values)
     AUDIT.use_tokenizer(tok)
     return values
