@@ -124,20 +124,19 @@ def topk_features(logits: torch.Tensor, k: int, embedding: torch.Tensor) -> tupl
         embedding: ``[V, d]`` input embeddings.
 
     Returns:
-        ``(features [T, 2d], ids int32 [T, k], probs float16 [T, k])``: the features are the
-        probability-weighted mean embedding of the top-k and the embedding of the top-1 — an
-        attacker's summary of what the payload (``ids``, ``probs``) says."""
+        ``(features [T, 2d], ids int32 [T, k], probs float16 [T, k])``: the features
+        (:func:`topk_from_payload`) are computed from the payload as sent (``ids``,
+        ``probs``)."""
     p = torch.softmax(logits.float(), dim=-1)
     vals, ids = torch.topk(p, k, dim=-1)
     vals = vals / vals.sum(-1, keepdim=True)
-    e = embedding.float()
-    mean = torch.einsum("tk,tkd->td", vals, e[ids])
-    feats = torch.cat([mean, e[ids[:, 0]]], dim=-1)
-    return feats, ids.numpy().astype(np.int32), vals.numpy().astype(np.float16)
+    ids, probs = ids.numpy().astype(np.int32), vals.numpy().astype(np.float16)
+    return topk_from_payload(ids, probs, embedding), ids, probs
 
 
 def topk_from_payload(ids: np.ndarray, probs: np.ndarray, embedding: torch.Tensor) -> torch.Tensor:
-    """The features of :func:`topk_features` recomputed from the payload as received."""
+    """An attacker's summary of a top-k payload, ``[T, 2d]``: the probability-weighted mean
+    embedding of the top-k (``probs`` renormalised) and the embedding of the top-1."""
     e = embedding.float()
     t_ids = torch.as_tensor(ids.astype(np.int64))
     p = torch.as_tensor(probs.astype(np.float32))

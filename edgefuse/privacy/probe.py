@@ -35,7 +35,6 @@ from .attack import (
     kv_features,
     token_accuracy,
     topk_features,
-    topk_from_payload,
 )
 from .audit import OutboundAudit
 from .canaries import load_canary_prompts
@@ -102,8 +101,7 @@ def _observe(model, tok, text: str, layers: list[int], topk: int, max_tokens: in
     feats = {("kv", i): f for i, f in kv_features(seen, layers).items()}
     hid = {i: h.to(torch.float16) for i, h in hidden_features(out.hidden_states, layers).items()}
     feats.update({("hidden", i): h.float() for i, h in hid.items()})
-    _, top_ids, top_p = topk_features(out.logits[0], topk, emb)
-    f = topk_from_payload(top_ids, top_p, emb)
+    f, top_ids, top_p = topk_features(out.logits[0], topk, emb)
     # the distribution at t-1 predicts token t: the attacker uses both neighbours
     feats[("logits_topk", -1)] = torch.cat([f, torch.cat([torch.zeros_like(f[:1]), f[:-1]])], dim=-1)
     draft = torch.argmax(out.logits[0, -1]).item()
