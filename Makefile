@@ -28,6 +28,7 @@ smoke: install
 	$(BIN)/edgefuse run experiment=smoke $(ARGS)
 
 test: install
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q -rs
 
 test-fast: install

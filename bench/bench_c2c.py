@@ -38,7 +38,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_main import run_experiment  # noqa: E402
 
-from edgefuse.results import atomic_write_json, load_results  # noqa: E402
+from edgefuse.io import atomic_write_json
+from edgefuse.results import load_results  # noqa: E402
 
 QUICK = ["federation.num_rounds=1", "c2c.train.steps=10", "c2c.train.examples=80",
          "c2c.eval.mmlu_n=20", "c2c.eval.dolly_per_category=1"]

@@ -10,7 +10,7 @@ prompts (GSM8K test + held-out public Dolly) through real sockets and the encryp
 2. the speculative mode (``--scale-mode``) and cloud-only with 1, 2, 4 and 8 concurrent
    devices at 80 ms (rows with ``sweep: devices``): simulated devices share this process's
    draft model (memory allows one) and run their forward passes batched
-   (:class:`cloud.decode.DraftBatcher`, standing in for devices computing in parallel);
+   (:class:`edgefuse.cloud.decoding.decoder.DraftBatcher`, standing in for devices computing in parallel);
    what counts is concurrent sessions at the service, which batches their verifications.
 
 Then it checks the issue's targets: round trips per token <= 0.3 (speculative), downlink
@@ -41,15 +41,15 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cloud.decode import MODES, DecodeConfig  # noqa: E402
-from cloud.evaluate import pruned_head, run_devices, summarize, table  # noqa: E402
-from cloud.service import start_service_process, stop_service_process  # noqa: E402
-from cloud.target import tokenizer_fingerprint  # noqa: E402
+from edgefuse.cloud.decoding.decoder import MODES, DecodeConfig  # noqa: E402
+from edgefuse.cloud.devices import pruned_head, run_devices, summarize, table  # noqa: E402
+from edgefuse.cloud.service import start_service_process, stop_service_process  # noqa: E402
+from edgefuse.cloud.target import tokenizer_fingerprint  # noqa: E402
 from edgefuse.config import compose  # noqa: E402
 from edgefuse.models import load_model  # noqa: E402
-from edgefuse.results import atomic_write_json  # noqa: E402
+from edgefuse.io import atomic_write_json  # noqa: E402
 from edgefuse.transport.wan import WanProfile  # noqa: E402
-from fusers.queries import dolly_eval_queries, load_gsm8k  # noqa: E402
+from edgefuse.eval.queries import dolly_eval_queries, load_gsm8k  # noqa: E402
 
 TARGETS = {
     "round_trips_per_token_max": 0.3,
@@ -115,7 +115,7 @@ def _kept_rows(out: Path, parts: list[str]) -> tuple[list[dict], list[dict]]:
 def fill_gamma_agreement(rows: list[dict], records: list[dict]) -> None:
     """Agreement / identity of the fixed-γ rows with the ``cloud`` generations of the same
     prompts at the same RTT (the fixed-γ part runs no ``cloud`` mode of its own)."""
-    from cloud.evaluate import agreement
+    from edgefuse.cloud.devices import agreement
 
     for r in rows:
         if r.get("sweep") != "gamma":
@@ -163,7 +163,7 @@ def check_targets(rows: list[dict], rtts: list[float], devices: list[int], scale
 
 
 def plot(result: dict, path: Path) -> Path:
-    from edgefuse.results import _colour, _new_figure, _save_png
+    from edgefuse.results.recorder import _colour, _new_figure, _save_png
 
     rows = result["modes"]
     rtts = sorted({r["rtt_ms"] for r in rows if r.get("sweep") is None})

@@ -54,7 +54,7 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from edgefuse.results import atomic_write_json  # noqa: E402
+from edgefuse.io import atomic_write_json  # noqa: E402
 
 DRAFT, TARGET = "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"
 PLOT_GAMMAS = tuple(range(1, 9))
@@ -182,7 +182,7 @@ def time_target(model, prompts, conts, steps: int, gammas, reps: int) -> dict:
 
 def build_variants(draft, tok, keep: dict, layers: list[int], shallow_heads: list[int]) -> list[dict]:
     """Model-draft variants: ``{name, kind, keep, layers, model, head}``."""
-    from cloud.draft import DraftHead, shallow_model
+    from edgefuse.cloud.decoding.drafters import DraftHead, shallow_model
 
     total = draft.config.num_hidden_layers
     out = [{"name": "full", "kind": "full", "keep": None, "layers": total, "model": draft,
@@ -496,7 +496,7 @@ def main(argv=None) -> int:
         args.timing_prompts, args.timing_steps = 1, 8
     import torch
 
-    from cloud.draft import NgramDrafter, frequent_token_ids
+    from edgefuse.cloud.decoding.drafters import NgramDrafter, frequent_token_ids
     from edgefuse.models import cache_dir, load_model
 
     t_start = time.perf_counter()

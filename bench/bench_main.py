@@ -30,7 +30,8 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from edgefuse.results import atomic_write_json, load_results  # noqa: E402
+from edgefuse.io import atomic_write_json
+from edgefuse.results import load_results  # noqa: E402
 
 # Processes that belong to a federated run (matched against the command line).
 FEDERATION_MARKERS = ("flower-superlink", "flwr-simulation", "flwr", "ray::", "raylet",

@@ -1,6 +1,6 @@
 """Benchmark the privacy of every outbound payload type under each protection.
 
-Runs the privacy probe (:mod:`edgefuse.privacy.probe`) on a real device model: canary prompts
+Runs the privacy probe (:mod:`edgefuse.attacks.probe`) on a real device model: canary prompts
 (PII templates filled with synthetic identities from the data mirror) are protected on the
 device (``none`` / ``redact`` / ``rephrase`` / ``both``), every payload type is built with
 the real encoders and scanned for canaries, and linear inversion attackers trained on public
@@ -31,7 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from edgefuse.results import _new_figure, _save_png, atomic_write_json, plot_privacy  # noqa: E402
+from edgefuse.io import atomic_write_json
+from edgefuse.results.recorder import _new_figure, _save_png, plot_privacy  # noqa: E402
 
 
 def default_mirror() -> str | None:
@@ -93,7 +94,7 @@ def rescan(model, tok, priv, args, out: Path) -> int:
 
     from edgefuse.privacy.audit import OutboundAudit
     from edgefuse.privacy.canaries import load_canary_prompts
-    from edgefuse.privacy.probe import _observe, default_protector, resolve_layers
+    from edgefuse.attacks.probe import _observe, default_protector, resolve_layers
     from edgefuse.privacy.redact import Redactor
 
     report = json.loads(out.read_text())
@@ -157,7 +158,7 @@ def main(argv=None) -> int:
 
     from edgefuse.config import compose
     from edgefuse.models import load_model
-    from edgefuse.privacy.probe import run_probe
+    from edgefuse.attacks.probe import run_probe
 
     torch.set_num_threads(args.threads)
     layers = [float(x) if "." in x else int(x) for x in args.layers.split(",") if x]

@@ -13,10 +13,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
-
-
-C2C_MODES = ("alone", "t2t", "c2c", "co_c2c", "multi")
+CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 
 class ConfigError(ValueError):
@@ -76,32 +73,9 @@ def validate(cfg: DictConfig) -> None:
     for i, c in enumerate(clients):
         if not c.get("model"):
             raise ConfigError(f"federation.clients[{i}] has no model")
-        _positive_int(c.get("lora_rank", 0), f"federation.clients[{i}].lora_rank")
+        positive_int(c.get("lora_rank", 0), f"federation.clients[{i}].lora_rank")
     for key in ("federation.num_rounds", "training.steps_per_round", "training.batch_size"):
-        _positive_int(OmegaConf.select(cfg, key), key)
-    c2c = cfg.get("c2c")
-    if c2c is not None and c2c.get("enabled"):
-        for key in ("c2c.train.steps", "c2c.train.batch_size", "c2c.train.examples",
-                    "c2c.train.max_seq_len", "c2c.eval.max_new_tokens", "c2c.eval.max_prompt_tokens",
-                    "c2c.eval.batch_queries"):
-            _positive_int(OmegaConf.select(cfg, key), key)
-        if str(c2c.train.at) not in ("final", "every_round"):
-            raise ConfigError(f"c2c.train.at must be 'final' or 'every_round', got {c2c.train.at!r}")
-        unknown = sorted(set(map(str, c2c.eval.modes)) - set(C2C_MODES))
-        if unknown:
-            raise ConfigError(f"c2c.eval.modes has unknown modes {unknown}: use {', '.join(C2C_MODES)}")
-        from edgefuse.transport.wan import WanProfile
-        from fusers.service import pair_list
-
-        try:
-            WanProfile.from_name(str(c2c.eval.wan))
-        except ValueError as e:
-            raise ConfigError(f"c2c.eval.wan: {e}") from None
-        pair_list(c2c.pairs if isinstance(c2c.pairs, str) else list(c2c.pairs),
-                  list(dict.fromkeys(str(c.model) for c in clients)))
-    cloud = cfg.get("cloud")
-    if cloud is not None and cloud.get("enabled"):
-        _validate_cloud(cfg, cloud)
+        positive_int(OmegaConf.select(cfg, key), key)
     if cfg.get("privacy") is not None:
         _validate_privacy(cfg, cfg.privacy)
     for key in ("training.lr", "federation.round_timeout_s"):
@@ -113,7 +87,6 @@ def validate(cfg: DictConfig) -> None:
 
 
 def _validate_privacy(cfg: DictConfig, priv: DictConfig) -> None:
-    from edgefuse.privacy.probe import PROTECTIONS as PROBE_MODES
     from edgefuse.privacy.protect import client_protection
 
     try:
@@ -142,65 +115,11 @@ def _validate_privacy(cfg: DictConfig, priv: DictConfig) -> None:
     thr = priv.redact.get("score_threshold")
     if not (isinstance(thr, (int, float)) and 0 <= thr <= 1):
         raise ConfigError(f"privacy.redact.score_threshold must be in [0, 1], got {thr!r}")
-    _positive_int(priv.rephrase.get("max_new_tokens"), "privacy.rephrase.max_new_tokens")
-    p = priv.probe
-    unknown = sorted(set(map(str, p.modes)) - set(PROBE_MODES))
-    if unknown or not p.modes:
-        raise ConfigError(f"privacy.probe.modes has unknown modes {unknown}: use {', '.join(PROBE_MODES)}")
-    for key in ("canaries", "attack_train_prompts", "topk"):
-        _positive_int(p.get(key), f"privacy.probe.{key}")
-    for key in ("task_n", "live_canaries"):
-        v = p.get(key, 0)
-        if not (isinstance(v, int) and v >= 0):
-            raise ConfigError(f"privacy.probe.{key} must be an integer >= 0, got {v!r}")
-    if not (isinstance(p.get("ridge"), (int, float)) and p.ridge >= 0):
-        raise ConfigError(f"privacy.probe.ridge must be a number >= 0, got {p.get('ridge')!r}")
-    bad = [x for x in p.attack_layers if isinstance(x, float) and not 0.0 <= x <= 1.0]
-    if bad or not p.attack_layers:
-        raise ConfigError(f"privacy.probe.attack_layers: layer indices or fractions in [0, 1], got "
-                          f"{list(p.attack_layers)}")
+    positive_int(priv.rephrase.get("max_new_tokens"), "privacy.rephrase.max_new_tokens")
 
 
-def _validate_cloud(cfg: DictConfig, cloud: DictConfig) -> None:
-    from cloud.decode import MODES
-    from edgefuse.transport.wan import WanProfile
-
-    models = [str(c.model) for c in cfg.federation.clients]
-    if str(cloud.device_model) not in models:
-        raise ConfigError(f"cloud.device_model {cloud.device_model!r} is not a federation client's "
-                          f"model ({', '.join(dict.fromkeys(models))})")
-    unknown = sorted(set(map(str, cloud.modes)) - set(MODES))
-    if unknown or not cloud.modes:
-        raise ConfigError(f"cloud.modes has unknown modes {unknown or '[]'}: use {', '.join(MODES)}")
-    try:
-        WanProfile.from_name(str(cloud.wan))
-    except ValueError as e:
-        raise ConfigError(f"cloud.wan: {e}") from None
-    for key in ("cloud.devices", "cloud.eval.max_new_tokens", "cloud.eval.max_prompt_tokens",
-                "cloud.service.max_batch", "cloud.service.max_context", "cloud.decode.gamma_max",
-                "cloud.decode.fuse_topk", "cloud.decode.draft_topk"):
-        _positive_int(OmegaConf.select(cfg, key), key)
-    if int(cloud.eval.gsm8k_n) < 0 or int(cloud.eval.dolly_per_category) < 0 or \
-            int(cloud.eval.gsm8k_n) + int(cloud.eval.dolly_per_category) == 0:
-        raise ConfigError("cloud.eval needs gsm8k_n > 0 or dolly_per_category > 0 (both >= 0)")
-    if float(cloud.decode.temperature) < 0:
-        raise ConfigError(f"cloud.decode.temperature must be >= 0, got {cloud.decode.temperature}")
-    from cloud.decode import decode_config
-
-    try:
-        decode_config(cloud)
-    except ValueError as e:  # DecodeError and FusionConfig's checks
-        raise ConfigError(f"cloud.decode: {e}") from None
-    if float(cloud.service.max_wait_ms) < 0 or int(cloud.devices) > int(cloud.service.max_sessions):
-        raise ConfigError("cloud.service.max_wait_ms must be >= 0 and cloud.devices <= "
-                          "cloud.service.max_sessions")
-    if str(cloud.decode.confidence) not in ("entropy", "margin"):
-        raise ConfigError(f"cloud.decode.confidence must be entropy or margin, got {cloud.decode.confidence!r}")
-    if not 0 <= float(cloud.decode.fusion_weight) <= 1:
-        raise ConfigError(f"cloud.decode.fusion_weight must be in [0, 1], got {cloud.decode.fusion_weight}")
-
-
-def _positive_int(value, key: str) -> None:
+def positive_int(value, key: str) -> None:
+    """Raise :class:`ConfigError` unless ``value`` is an integer >= 1 (``key`` names it)."""
     try:
         ok = int(value) >= 1 and float(value) == int(value)
     except (TypeError, ValueError):

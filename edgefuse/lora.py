@@ -26,7 +26,7 @@ from safetensors.numpy import save_file
 from edgefuse import packing
 from edgefuse.aggregation import (ClientUpdate, MalformedUpdateError, module_shapes, split_key,
                                   validate_update)
-from edgefuse.results import atomic_write_dir
+from edgefuse.io import atomic_write_dir
 
 __all__ = [
     "MalformedUpdateError", "PEFT_PREFIX", "PARTS", "attach_lora", "get_adapter_state",

@@ -3,7 +3,7 @@
 Flower's ``ArrayRecord`` sends every array separately, so hundreds of small tensors (LoRA
 A/B matrices, fuser weights) are slow; a handful of flat arrays are not. LoRA adapters
 use two parts (``lora_A``, ``lora_B``, see :mod:`edgefuse.lora`), fusers one
-(:mod:`fusers.registry`).
+(:mod:`edgefuse.c2c.registry`).
 
 Index: a JSON list of ``{"key", "shape", "part", "offset", "size"}``, offsets and sizes in
 elements of the part's flat array; within a part, tensors are concatenated in sorted key

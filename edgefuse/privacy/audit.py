@@ -4,9 +4,9 @@ Every outbound payload of a device passes :func:`outbound` *before* it is encryp
 
 * Flower replies (adapter updates, metrics, relayed C2C frames) — through the ClientApp mod
   :func:`flower_mod`, which scans each reply's arrays and configs;
-* cloud frames (OPEN / VERIFY / FUSE …) — :class:`cloud.link.CloudLink` calls it with each
+* cloud frames (OPEN / VERIFY / FUSE …) — :class:`edgefuse.cloud.link.CloudLink` calls it with each
   message's plaintext;
-* C2C relays (KV caches, T2T answers) — :func:`fusers.peer.encode_payload` calls it with the
+* C2C relays (KV caches, T2T answers) — :func:`edgefuse.c2c.peer.encode_payload` calls it with the
   plaintext it is about to seal.
 
 The audit keeps, per payload type, the number of payloads and bytes seen and the number of
@@ -186,7 +186,7 @@ def merge(snapshots: list[dict[str, dict]]) -> dict[str, dict]:
 def record_bytes(content) -> list[tuple[str, bytes]]:
     """The bytes of a Flower ``RecordDict`` reply, as ``(payload type, bytes)`` pairs:
     arrays of the ``adapter`` record count as ``adapter``, other arrays (C2C ``frames``,
-    already sealed end to end: their plaintext was audited by ``fusers.peer``) as ``sealed``,
+    already sealed end to end: their plaintext was audited by ``edgefuse.c2c.peer``) as ``sealed``,
     config and metric values (strings, numbers) as ``metadata``."""
     from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 

@@ -1,0 +1,1 @@
+"""Client-side handlers of the ClientApp's messages."""

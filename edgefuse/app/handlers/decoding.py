@@ -1,0 +1,119 @@
+"""Device side of cloud collaboration: decode the server's prompts through the cloud service.
+
+The device opens its own encrypted link(s) to the service named in the message
+(:mod:`edgefuse.cloud.link`); its model keeps the LoRA adapter the message carried, which never
+leaves the device. ``cloud.devices`` sessions run at once, sharing this model's weights.
+
+Privacy: every prompt is protected on the device before it goes toward the cloud
+(:func:`edgefuse.privacy.protect.protect_batch` with this client's protection mode: the
+instruction redacted and/or rephrased, a context redacted), the placeholder mapping stays
+here and the answers get the original values back. Every request carries the device's
+KV-cache authorization (``privacy.cloud_auth``). With privacy on, a few canary prompts
+(synthetic identities) are decoded too, so the outbound audit checks live frames for them;
+their outputs are dropped.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import torch
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+
+from edgefuse.cloud.decoding.decoder import auth_from_config, decode_config
+from edgefuse.cloud.devices import pruned_head, run_devices
+from edgefuse.cloud.target import tokenizer_fingerprint
+from edgefuse.privacy.audit import watch_canaries
+from edgefuse.privacy.protect import client_protection, protect_batch
+from edgefuse.privacy.redact import restore
+from edgefuse.privacy.rephrase import PLACEHOLDER
+from edgefuse.transport.wan import WanProfile
+from edgefuse.eval.queries import Query
+
+
+def protect_queries(queries: list[Query], mode: str, model, tok, redactor=None,
+                    max_new_tokens: int = 96) -> tuple[list[Query], list[dict]]:
+    """Protected copies of ``queries`` and, per query, the placeholder mapping to restore.
+
+    The instruction gets ``mode``; a context (long, reference text) is only redacted (for
+    ``redact`` / ``both``), since rewording it costs much generation for little gain."""
+    if mode == "off" or not queries:
+        return list(queries), [{} for _ in queries]
+    ins = protect_batch([q.instruction for q in queries], mode, model=model, tok=tok,
+                        redactor=redactor, max_new_tokens=max_new_tokens)
+    ctx_mode = "redact" if mode in ("redact", "both") else "off"
+    ctx = protect_batch([q.context for q in queries], ctx_mode, redactor=redactor)
+    out, maps = [], []
+    for q, i, c in zip(queries, ins, ctx):
+        context, mapping = join_placeholders(i.mapping, c.text, c.mapping)
+        out.append(replace(q, instruction=i.text, context=context if q.context else q.context))
+        maps.append(mapping)
+    return out, maps
+
+
+def join_placeholders(first: dict, text: str, mapping: dict) -> tuple[str, dict]:
+    """Renumber the placeholders of a second text redacted on its own (both number from
+    ``<PERSON_1>``): a value already in ``first`` takes its placeholder, a new value the next
+    free number of its type. Returns ``(text renumbered, the joint mapping)``."""
+    joint, by_value, renames = dict(first), {v: k for k, v in first.items()}, {}
+    for ph, value in mapping.items():
+        if value in by_value:
+            renames[ph] = by_value[value]
+            continue
+        new, kind, n = ph, ph[1:-1].rsplit("_", 1)[0], 1
+        while new in joint:
+            new, n = f"<{kind}_{n}>", n + 1
+        joint[new], by_value[value], renames[ph] = value, new, new
+    return PLACEHOLDER.sub(lambda m: renames.get(m.group(0), m.group(0)), text), joint
+
+
+def _canary_queries(cfg, n: int) -> list[Query]:
+    from edgefuse.privacy.canaries import load_canary_prompts
+
+    return [Query(qid=f"pii/{i}", kind="dolly", instruction=p.text, context="", choices=None,
+                  answer=None, reference="", category="pii-canary")
+            for i, p in enumerate(load_canary_prompts(cfg.data.mirror, n, int(cfg.seed)))]
+
+
+def decode(msg: Message, context: Context, client) -> RecordDict:
+    """Run every ``cloud.modes`` mode on the message's queries; reply with the records."""
+    from edgefuse.privacy.redact import Redactor
+
+    cfg = client.cfg
+    c = cfg.cloud
+    conf = msg.content["cloud"]
+    queries = [Query.from_dict(q) for q in json.loads(str(conf["queries"]))]
+    model, tok = client.slot["peft"], client.slot["tok"]
+    mode = client_protection(cfg, client.entry)
+    redactor = None
+    if mode in ("redact", "both"):
+        redactor = Redactor.from_config(cfg)
+        if cfg.privacy.redact.get("known_identities", False):  # the identities this device holds
+            redactor.remember(watch_canaries(cfg, tok))
+    max_new = int(cfg.privacy.rephrase.max_new_tokens) if cfg.get("privacy") else 96
+    sent, maps = protect_queries(queries, mode, model, tok, redactor, max_new)
+    dcfg = decode_config(c, auth=auth_from_config(cfg.get("privacy")))
+    head = pruned_head(model, tok, cfg.data, int(cfg.seed), int(c.decode.draft_head), cfg.paths.cache_dir)
+    host, port, wan = str(conf["host"]), int(conf["port"]), WanProfile.from_name(str(c.wan))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(int(c.threads))
+    try:
+        records, wall = run_devices(
+            model, tok, sent, list(c.modes), dcfg, host, port, wan, int(c.devices),
+            tokenizer_fingerprint(tok), max_prompt_tokens=int(c.eval.max_prompt_tokens), head=head)
+        n_live = int(cfg.privacy.probe.get("live_canaries", 0)) if cfg.get("privacy") and cfg.privacy.enabled else 0
+        if n_live > 0:  # canaries through the live link: the audit scans these frames
+            canaries = _canary_queries(cfg, n_live)
+            canary_sent, _ = protect_queries(canaries, mode, model, tok, redactor, max_new)
+            run_devices(model, tok, canary_sent, ["spec_sync"], replace(dcfg, max_new_tokens=4), host, port,
+                        wan, 1, tokenizer_fingerprint(tok), max_prompt_tokens=int(c.eval.max_prompt_tokens),
+                        head=head)
+    finally:
+        torch.set_num_threads(threads)
+    by_qid = {q.qid: m for q, m in zip(queries, maps)}
+    for r in records:
+        if by_qid.get(r.qid):
+            r.result.text = restore(r.result.text, by_qid[r.qid])
+    return RecordDict({"decoding": ConfigRecord({"records": json.dumps([r.to_dict() for r in records]),
+                                                 "wall": json.dumps(wall), "protection": mode})})

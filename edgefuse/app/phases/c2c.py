@@ -1,0 +1,319 @@
+"""The ServerApp's Cache-to-Cache phase: train and host fusers, relay the exchange, score it.
+
+After the last round (or every round, ``c2c.train.at``) the server
+
+1. brings the fuser of every ordered pair up to date (:class:`edgefuse.c2c.hub.FuserService`)
+   among one representative client per base model (its lowest partition-id), and trains a
+   several-sharers gate per receiver that has two or more sharers;
+2. sends each receiver its fusers (``query.fusers``); a receiver refuses any fuser that was
+   not trained for its current model version;
+3. evaluates the same queries (MMLU letters, held-out Dolly rows) per receiver in each mode
+   of ``c2c.eval.modes``:
+
+   - ``alone``: the receiver by itself;
+   - ``t2t``: a sharer's generated answer, sealed for the receiver, given as context;
+   - ``c2c``: a sharer's sealed int8 prompt cache, fused by the receiver;
+   - ``co_c2c``: the receiver's cache goes to the sharer first, which fuses it into its own
+     (its fuser sharer ← receiver) and sends the refined cache back to be fused;
+   - ``multi``: every sharer's cache, combined by the receiver's gate.
+
+The server relays sealed bytes only: sessions are keyed by X25519 between the two devices
+(public keys from ``query.info``), with a fresh session id per exchange.
+
+Latency per query (ms) is built from the devices' measured compute and the emulated link
+(``c2c.eval.wan``; each relayed payload takes two hops, device → server → device, of
+:meth:`edgefuse.transport.wan.WanLink.delay_s`). The exchange time is the sharer's compute
+plus its payload's hops (Co-C2C: both legs; ``multi``: the slowest sharer, as sharers work
+in parallel). Then ``alone``/``t2t``: exchange + receiver prefill + decode (T2T's prompt
+needs the hint first); ``c2c``/``co_c2c``/``multi``: max(exchange, receiver prefill) + fuse
++ decode, since the receiver prefills its own prompt while the sharers work. Flower's own message overhead is not included (it is a
+simulation artefact; it is in the phase's wall time). ``bytes_sent`` counts the sealed
+payload bytes the devices send per query (what each device puts on its uplink).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from logging import INFO, WARNING
+
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message
+from flwr.common.logger import log
+
+from edgefuse.transport.wan import WanLink, WanProfile
+from edgefuse.c2c.peer import pack_frames, unpack_frames
+from edgefuse.eval.queries import Query, dolly_eval_queries, load_mmlu, rouge_l
+from edgefuse.c2c.registry import pack_state
+from edgefuse.c2c.hub import VAL_ROWS, FuserService, Side, kv_spec, pair_list
+from edgefuse.app.strategy import GroupedLoRA, NodeInfo, last_line
+
+from edgefuse.c2c.hub import MODES  # noqa: E402
+
+
+class C2CError(RuntimeError):
+    """A Cache-to-Cache message failed (the client's reason is in the message)."""
+
+
+def representatives(strategy: GroupedLoRA) -> dict[str, NodeInfo]:
+    """One node per base model: the one with the lowest partition-id, among models whose
+    group has a global adapter (a model none of whose clients ever trained is left out)."""
+    reps: dict[str, NodeInfo] = {}
+    for node in sorted(strategy.nodes.values(), key=lambda n: n.partition_id):
+        if node.model in strategy.groups:
+            reps.setdefault(node.model, node)
+    return reps
+
+
+def sides(strategy: GroupedLoRA, reps: dict[str, NodeInfo]) -> dict[str, Side]:
+    """The :class:`Side` of each representative: its model and current adapter."""
+    alpha = float(strategy.cfg.training.lora_alpha)
+    return {m: Side(m, n.partition_id, strategy.client_state(n), n.lora_rank, alpha)
+            for m, n in reps.items()}
+
+
+def load_queries(cfg) -> list[Query]:
+    """The evaluation queries: ``c2c.eval.mmlu_n`` MMLU questions and
+    ``c2c.eval.dolly_per_category`` public Dolly rows per category (after the fuser rows)."""
+    ev = cfg.c2c.eval
+    out = []
+    if int(ev.mmlu_n) > 0:
+        out += load_mmlu(cfg.data.mirror, int(ev.mmlu_n), int(cfg.seed), split=str(ev.mmlu_split))
+    if int(ev.dolly_per_category) > 0:
+        out += dolly_eval_queries(cfg.data, int(cfg.seed), int(ev.dolly_per_category),
+                                  skip=int(cfg.c2c.train.examples) + VAL_ROWS)
+    return out
+
+
+class C2CPhase:
+    """Server side of Cache-to-Cache for one run (state: the fuser service and gates)."""
+
+    def __init__(self, cfg, grid, strategy: GroupedLoRA, service: FuserService, timeout: float):
+        self.cfg, self.grid, self.strategy, self.service = cfg, grid, strategy, service
+        self.timeout = timeout
+        self.gates: dict[str, tuple[list[str], dict, dict]] = {}  # receiver -> (sharers, state, meta)
+        self.wan = WanLink(WanProfile.from_name(str(cfg.c2c.eval.wan)))
+        unknown = set(cfg.c2c.eval.modes) - set(MODES)
+        if unknown:
+            from edgefuse.config import ConfigError
+
+            raise ConfigError(f"c2c.eval.modes has unknown modes {sorted(unknown)}: use {', '.join(MODES)}")
+
+    # -- messaging ----------------------------------------------------------------
+    def _ask(self, node: NodeInfo, kind: str, conf: dict, arrays: dict[str, ArrayRecord] | None = None,
+             round_idx: int = 0) -> Message:
+        content, _ = self.strategy.content(round_idx, self.strategy.client_state(node))
+        content["c2c"] = ConfigRecord(conf)
+        for name, rec in (arrays or {}).items():
+            content[name] = rec
+        msg = Message(content, dst_node_id=node.node_id, message_type=f"query.{kind}")
+        replies = list(self.grid.send_and_receive([msg], timeout=self.timeout))
+        if not replies:
+            raise C2CError(f"partition {node.partition_id} did not answer query.{kind}")
+        if replies[0].has_error():
+            raise C2CError(f"partition {node.partition_id} query.{kind}: "
+                           f"{last_line(replies[0].error.reason)}")
+        return replies[0]
+
+    # -- 1 + 2: fusers --------------------------------------------------------------
+    def update_fusers(self, round_idx: int) -> list[dict]:
+        """Train / carry over / reuse the pair fusers and gates; send them to receivers.
+
+        Returns the ``fusers`` rows (one per pair, with ``download`` status per receiver)."""
+        reps = representatives(self.strategy)
+        self.reps = reps
+        configured = list(dict.fromkeys(str(c.model) for c in self.cfg.federation.clients))
+        pairs = pair_list(self.cfg.c2c.pairs, configured)
+        self.pairs = [(a, b) for a, b in pairs if a in reps and b in reps]
+        for a, b in sorted(set(pairs) - set(self.pairs)):
+            log(WARNING, "c2c: skipping pair %s -> %s: a side has no trained client", a, b)
+        if not self.pairs:
+            log(WARNING, "c2c: fewer than two base models in the federation, nothing to fuse")
+            return []
+        s = sides(self.strategy, reps)
+        rows = self.service.update(s, self.pairs, round_idx)
+        self.pairs = [(r["sharer"], r["receiver"]) for r in rows if r["action"] != "failed"]
+        if "multi" in self.cfg.c2c.eval.modes:
+            self._train_gates(s, round_idx)
+        status = self._distribute(round_idx)
+        for row in rows:
+            row["download"] = status.get(row["receiver"], "not sent")
+        return rows
+
+    def _train_gates(self, s: dict[str, Side], round_idx: int) -> None:
+        from edgefuse.c2c.hub import train_multi_gate
+
+        for receiver in self.reps:
+            sharers = [a for a, b in self.pairs if b == receiver]
+            if len(sharers) < 2:
+                continue
+            state, meta = train_multi_gate(self.cfg, self.service, s, receiver, sharers)
+            self.gates[receiver] = (sharers, state, meta)
+
+    def _distribute(self, round_idx: int) -> dict[str, str]:
+        status = {}
+        for receiver, node in self.reps.items():
+            sharers = [a for a, b in self.pairs if b == receiver]
+            if not sharers:
+                continue
+            conf, arrays = {"sharers": sharers}, {}
+            r_kv = kv_spec(self.cfg, receiver).to_dict()
+            nbytes, sd = 0, sides(self.strategy, self.reps)
+            for sharer in sharers:
+                version = self.service.version(sd[sharer], sd[receiver])
+                state, fcfg, card = self.service.registry.load_state(version)
+                packed, index = pack_state(state)
+                arrays[f"fuser.{sharer}"] = ArrayRecord({k: Array(v) for k, v in packed.items()})
+                conf[f"meta.{sharer}"] = json.dumps({
+                    "card": card.to_json(), "config": fcfg, "index": index, "receiver_kv": r_kv,
+                    "sharer_kv": kv_spec(self.cfg, sharer).to_dict()})
+                nbytes += sum(v.nbytes for v in packed.values())
+            if receiver in self.gates:
+                g_sharers, g_state, g_meta = self.gates[receiver]
+                packed, index = pack_state(g_state)
+                arrays["gate"] = ArrayRecord({k: Array(v) for k, v in packed.items()})
+                conf["gate_meta"] = json.dumps({**g_meta, "sharers": g_sharers, "index": index})
+            try:
+                self._ask(node, "fusers", conf, arrays, round_idx)
+                status[receiver] = "installed"
+                log(INFO, "c2c: partition %d (%s) installed %d fusers (%.2f MB)", node.partition_id,
+                    receiver, len(sharers), nbytes / 1e6)
+            except C2CError as e:
+                status[receiver] = f"refused: {e}"
+                log(WARNING, "c2c: %s", e)
+        return status
+
+    # -- 3: evaluation ------------------------------------------------------------------
+    def evaluate(self, round_idx: int) -> list[dict]:
+        """One row per (receiver, sharers, mode) (results.json ``c2c``)."""
+        if not getattr(self, "pairs", None):
+            return []
+        queries = load_queries(self.cfg)
+        modes = list(self.cfg.c2c.eval.modes)
+        rows = []
+        for receiver, r_node in self.reps.items():
+            sharers = [a for a, b in self.pairs if b == receiver]
+            plan = []
+            if "alone" in modes:
+                plan.append(("alone", []))
+            for s in sharers:
+                plan += [(m, [s]) for m in ("t2t", "c2c") if m in modes]
+                if "co_c2c" in modes and (receiver, s) in self.pairs:
+                    plan.append(("co_c2c", [s]))
+            if "multi" in modes and len(sharers) >= 2:
+                plan.append(("multi", sharers))
+            for mode, ss in plan:
+                t0 = time.perf_counter()
+                try:
+                    per_query = []
+                    for chunk in _chunks(queries, int(self.cfg.c2c.eval.batch_queries)):
+                        per_query += self._run(mode, receiver, ss, chunk, round_idx)
+                    row = _score(receiver, ss, mode, queries, per_query)
+                except C2CError as e:
+                    log(WARNING, "c2c: %s with %s on %s failed: %s", mode, ss, receiver, e)
+                    row = {"receiver": receiver, "sharers": ss, "mode": mode, "n": 0,
+                           "mmlu_acc": None, "rougeL": None, "latency_ms": None,
+                           "bytes_sent": None, "error": str(e)}
+                row["wall_seconds"] = time.perf_counter() - t0
+                log(INFO, "c2c: %-18s %-7s sharers %-40s MMLU %s ROUGE-L %s latency %s ms",
+                    receiver, mode, ",".join(ss) or "-", _f(row["mmlu_acc"]), _f(row["rougeL"]),
+                    _f(row["latency_ms"], ".0f"))
+                rows.append(row)
+        return rows
+
+    def _share(self, sharer: str, peer: str, kind: str, chunk: list[Query], round_idx: int,
+               refine_frames: list[bytes] | None = None, session_id: bytes | None = None):
+        """Ask ``sharer`` to seal ``kind`` payloads for ``peer``; returns (frames, ms, sid)."""
+        node, peer_node = self.reps[sharer], self.reps[peer]
+        sid = session_id or os.urandom(16)
+        conf = {"queries": json.dumps([q.to_dict() for q in chunk]), "kind": kind,
+                "peer_model": peer, "peer_public_key": peer_node.public_key,
+                "session_id": sid.hex()}
+        arrays = None
+        msg_type = "share"
+        if refine_frames is not None:
+            msg_type = "refine"
+            flat, conf["frames_lengths"] = pack_frames(refine_frames)
+            arrays = {"frames": ArrayRecord({"frames": Array(flat)})}
+        reply = self._ask(node, msg_type, conf, arrays, round_idx)
+        rec = reply.content["c2c"]
+        frames = unpack_frames(reply.content["frames"]["frames"].numpy(), list(rec["frames_lengths"]))
+        return frames, [float(x) for x in rec["ms"]], sid
+
+    def _hop(self, nbytes: int) -> float:
+        """ms for one payload relayed device → server → device over the emulated link."""
+        return 1000.0 * (self.wan.delay_s(nbytes) + self.wan.delay_s(nbytes))
+
+    def _run(self, mode: str, receiver: str, sharers: list[str], chunk: list[Query],
+             round_idx: int) -> list[dict]:
+        n = len(chunk)
+        pre_ms, sent = [0.0] * n, [0] * n
+        conf = {"queries": json.dumps([q.to_dict() for q in chunk]), "mode": mode,
+                "sharers": sharers}
+        arrays = {}
+        for i, s in enumerate(sharers):
+            if mode == "co_c2c":
+                f1, ms1, sid = self._share(receiver, s, "kv", chunk, round_idx)
+                frames, ms2, _ = self._share(s, receiver, "kv", chunk, round_idx, refine_frames=f1,
+                                             session_id=sid)
+                conf[f"initiator.{i}"] = True
+                lat = [a + self._hop(len(x)) + b + self._hop(len(y))
+                       for a, x, b, y in zip(ms1, f1, ms2, frames)]
+                nb = [len(x) + len(y) for x, y in zip(f1, frames)]
+            else:
+                frames, ms, sid = self._share(s, receiver, "text" if mode == "t2t" else "kv", chunk,
+                                              round_idx)
+                lat = [a + self._hop(len(x)) for a, x in zip(ms, frames)]
+                nb = [len(x) for x in frames]
+            flat, conf[f"frames.{i}_lengths"] = pack_frames(frames)
+            arrays[f"frames.{i}"] = ArrayRecord({"frames": Array(flat)})
+            conf[f"peer_public_key.{i}"] = self.reps[s].public_key
+            conf[f"session_id.{i}"] = sid.hex()
+            pre_ms = [max(a, b) for a, b in zip(pre_ms, lat)]  # sharers work in parallel
+            sent = [a + b for a, b in zip(sent, nb)]
+        reply = self._ask(self.reps[receiver], "answer", conf, arrays, round_idx)
+        results = json.loads(str(reply.content["c2c"]["results"]))
+        for r, p, b in zip(results, pre_ms, sent):
+            r["exchange_ms"] = p
+            r["bytes_sent"] = b
+            if mode in ("alone", "t2t"):  # the prompt needs the hint first
+                r["latency_ms"] = p + r["prefill_ms"] + r["decode_ms"]
+            else:  # the receiver prefills its own prompt while the sharers work
+                r["latency_ms"] = max(p, r["prefill_ms"]) + r["fuse_ms"] + r["decode_ms"]
+        return results
+
+
+def _chunks(items: list, size: int):
+    size = max(1, size)
+    for i in range(0, len(items), size):
+        yield items[i:i + size]
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def _score(receiver: str, sharers: list[str], mode: str, queries: list[Query], results: list[dict]) -> dict:
+    """Aggregate per-query results into one results.json ``c2c`` row."""
+    by_id = {q.qid: q for q in queries}
+    mmlu = [(by_id[r["qid"]], r) for r in results if by_id[r["qid"]].kind == "mmlu"]
+    dolly = [(by_id[r["qid"]], r) for r in results if by_id[r["qid"]].kind == "dolly"]
+    return {
+        "receiver": receiver, "sharers": list(sharers), "mode": mode, "n": len(results),
+        "n_mmlu": len(mmlu), "n_dolly": len(dolly),
+        "mmlu_acc": _mean([float(r["pred"] == q.answer) for q, r in mmlu]),
+        "rougeL": _mean([rouge_l(r["text"] or "", q.reference or "") for q, r in dolly]),
+        "latency_ms": _mean([r["latency_ms"] for r in results]),
+        "latency_ms_mmlu": _mean([r["latency_ms"] for _, r in mmlu]),
+        "latency_ms_dolly": _mean([r["latency_ms"] for _, r in dolly]),
+        "exchange_ms": _mean([r["exchange_ms"] for r in results]),
+        "prefill_ms": _mean([r["prefill_ms"] for r in results]),
+        "fuse_ms": _mean([r["fuse_ms"] for r in results]),
+        "decode_ms": _mean([r["decode_ms"] for r in results]),
+        "bytes_sent": _mean([r["bytes_sent"] for r in results]),
+    }
+
+
+def _f(x, spec: str = ".3f") -> str:
+    return "-" if x is None else format(x, spec)

@@ -1,0 +1,143 @@
+"""The ServerApp's cloud-decoding phase: start the cloud LLM service, let a device decode
+through it in every mode, score the modes side by side, stop the service.
+
+The server only orchestrates: the device (the lowest partition-id running
+``cloud.device_model``, with its federated LoRA) opens its own encrypted link to the service
+(:mod:`edgefuse.cloud.link`), so the prompts' tokens and the decoding traffic never pass through
+Flower. The evaluation prompts are public (GSM8K test, held-out public Dolly rows).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from logging import INFO, WARNING
+from pathlib import Path
+
+from flwr.app import ConfigRecord, Message
+from flwr.common.logger import log
+
+from edgefuse.cloud.devices import Record, summarize, table
+from edgefuse.cloud.decoding.decoder import DecodeResult
+from edgefuse.config import ConfigError
+from edgefuse.transport.wan import WanProfile
+from edgefuse.eval.queries import dolly_eval_queries, load_gsm8k
+from edgefuse.c2c.hub import VAL_ROWS
+from edgefuse.app.strategy import GroupedLoRA, NodeInfo, last_line
+
+
+class DecodingError(RuntimeError):
+    """The decoding phase failed (the device's or the service's reason is in the message)."""
+
+
+def load_queries(cfg) -> list:
+    """``cloud.eval.gsm8k_n`` GSM8K test questions and ``cloud.eval.dolly_per_category``
+    held-out public Dolly rows per category (after the rows the C2C phase uses)."""
+    ev = cfg.cloud.eval
+    out = []
+    if int(ev.gsm8k_n) > 0:
+        out += load_gsm8k(cfg.data.mirror, int(ev.gsm8k_n), int(cfg.seed))
+    if int(ev.dolly_per_category) > 0:
+        skip = int(cfg.c2c.train.examples) + VAL_ROWS if cfg.get("c2c") and cfg.c2c.get("train") else 0
+        out += dolly_eval_queries(cfg.data, int(cfg.seed), int(ev.dolly_per_category), skip=skip)
+    return out
+
+
+def check_pair(cfg) -> None:
+    """Refuse a device/cloud pair whose tokenizers differ (before any model is loaded).
+
+    Raises :class:`ConfigError` naming both models: fusion and verification exchange token
+    ids, and a string-level vocabulary mapping is not implemented."""
+    from edgefuse.cloud.target import tokenizer_fingerprint
+    from edgefuse.models import load_tokenizer
+
+    dev, tgt = str(cfg.cloud.device_model), str(cfg.cloud.model)
+    root = cfg.paths.cache_dir
+    if tokenizer_fingerprint(load_tokenizer(dev, root)) != tokenizer_fingerprint(load_tokenizer(tgt, root)):
+        raise ConfigError(f"cloud.device_model {dev!r} and cloud.model {tgt!r} do not share a "
+                          "tokenizer; speculative decoding and logit fusion need one vocabulary "
+                          "(e.g. qwen2.5-coder-0.5b with qwen2.5-coder-1.5b)")
+
+
+def device_node(cfg, strategy: GroupedLoRA) -> NodeInfo:
+    """The lowest partition-id running ``cloud.device_model``; raises :class:`DecodingError`."""
+    nodes = [n for n in strategy.nodes.values() if n.model == str(cfg.cloud.device_model)]
+    if not nodes:
+        raise DecodingError(f"no connected client runs cloud.device_model {cfg.cloud.device_model!r}")
+    return min(nodes, key=lambda n: n.partition_id)
+
+
+def run(cfg, grid, strategy: GroupedLoRA, out: Path, timeout: float, round_idx: int) -> dict:
+    """Run the phase; returns ``{"rows": [...], "records": [...], "service": {...}}``.
+
+    Raises :class:`DecodingError` / :class:`ConfigError`; the service is stopped in all cases."""
+    from edgefuse.cloud.service import start_service_process, stop_service_process
+
+    c = cfg.cloud
+    check_pair(cfg)
+    node = device_node(cfg, strategy)
+    queries = load_queries(cfg)
+    svc = c.service
+    t0 = time.perf_counter()
+    log(INFO, "cloud: starting the service with %s (log: %s)", c.model, out / "cloud_service.log")
+    proc, port = start_service_process(
+        str(c.model), str(c.host), int(c.port), max_batch=int(svc.max_batch),
+        max_wait_ms=float(svc.max_wait_ms), max_sessions=int(svc.max_sessions),
+        threads=int(svc.threads), max_context=int(svc.max_context),
+        log_path=out / "cloud_service.log", timeout_s=float(svc.start_timeout_s))
+    started = time.perf_counter() - t0
+    try:
+        content, _ = strategy.content(round_idx, strategy.client_state(node))
+        content["cloud"] = ConfigRecord({"host": str(c.host), "port": int(port),
+                                         "queries": json.dumps([q.to_dict() for q in queries])})
+        msg = Message(content, dst_node_id=node.node_id, message_type="query.decode")
+        log(INFO, "cloud: partition %d (%s) decodes %d prompts in %d modes with %d sessions over %s",
+            node.partition_id, node.model, len(queries), len(c.modes), int(c.devices), c.wan)
+        replies = list(grid.send_and_receive([msg], timeout=timeout))
+        if not replies:
+            raise DecodingError(f"partition {node.partition_id} did not answer query.decode")
+        if replies[0].has_error():
+            raise DecodingError(f"partition {node.partition_id} query.decode: "
+                                f"{last_line(replies[0].error.reason)}")
+        rec = replies[0].content["decoding"]
+        raw = json.loads(str(rec["records"]))
+        wall = json.loads(str(rec["wall"]))
+        protection = str(rec["protection"]) if "protection" in rec else "off"
+        health = _health(str(c.host), int(port))
+    finally:
+        code = stop_service_process(proc)
+        if code not in (0, None):
+            log(WARNING, "cloud: the service exited with code %s (see %s)", code, out / "cloud_service.log")
+    records = [Record(r["qid"], r["kind"], r["mode"], r["device"], _result(r), r["reference"]) for r in raw]
+    from edgefuse.models import load_tokenizer
+
+    tok = load_tokenizer(str(c.device_model), cfg.paths.cache_dir)
+    rows = summarize(records, wall, tok, WanProfile.from_name(str(c.wan)).rtt_ms, int(c.devices),
+                     greedy=float(c.decode.temperature) == 0)
+    log(INFO, "cloud decoding (%s, %d sessions):\n%s", c.wan, int(c.devices), table(rows))
+    return {"rows": rows, "records": raw,
+            "service": {"model": str(c.model), "start_seconds": started, "port": int(port),
+                        "prompt_protection": protection,
+                        **{k: health.get(k) for k in ("sessions_total", "batches", "jobs",
+                                                      "mean_batch_size", "max_batch_size",
+                                                      "frames_rejected", "bytes_in", "bytes_out")}}}
+
+
+def _health(host: str, port: int) -> dict:
+    """The service's counters (batching, sessions, bytes), ``{}`` if it does not answer."""
+    from edgefuse.cloud.link import CloudUnavailable, cloud_health
+
+    try:
+        return cloud_health(host, port, timeout_s=10.0)
+    except (CloudUnavailable, OSError, ValueError) as e:
+        log(WARNING, "cloud: no health answer before shutdown: %s", e)
+        return {}
+
+
+def _result(r: dict) -> DecodeResult:
+    """A :class:`DecodeResult` back from a record dict (the counters the summary needs)."""
+    keep = {k: r[k] for k in ("mode", "text", "prefill_s", "decode_s", "round_trips", "bytes_up",
+                              "bytes_down", "prefill_bytes_up", "prefill_bytes_down", "drafted",
+                              "accepted", "blocks", "deadline_misses", "edge_weight_mean",
+                              "fallback")}
+    return DecodeResult(tokens=list(r["tokens"]), **keep)

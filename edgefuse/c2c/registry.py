@@ -1,0 +1,666 @@
+"""The server-hosted fuser registry: versioned C2C fusers saved as safetensors + JSON.
+
+A fuser reads KV caches, and a model's KV cache depends on its base weights *and* its LoRA
+adapter, so a fuser is only valid for the exact models it was trained against. A fuser
+version is therefore the triple
+
+    (sharer spec + adapter hash, receiver spec + adapter hash, fuser config hash)
+
+(:class:`FuserVersion`; ``adapter_hash(None) == "base"`` for a model without adapter). Three
+separate things are saved per version, in formats other tools read::
+
+    root/<sharer>__to__<receiver>/
+        latest                    the current version id of the pair (one line, replaced atomically)
+        <version id>/
+            fuser.safetensors     the weights (float32, torch state-dict keys)
+            config.json           the fuser config the weights belong to (its hash is in the id)
+            card.json             the fuser card: version, sizes, data, steps, scores, sha256s
+
+Spec names are percent-encoded in folder names (``HuggingFaceTB/SmolLM2-135M`` ->
+``HuggingFaceTB%2FSmolLM2-135M``). A version is built in a hidden temporary sibling folder and
+renamed into place, so a reader never sees half of one; folders starting with ``.`` are not
+versions.
+
+Refusals: a client asks for the fuser of its pair with its own :class:`ModelVersion`\\ s
+(:meth:`FuserRegistry.load_for`). When the registered fuser was trained for another spec or
+another adapter, :class:`FuserVersionError` says which side (sharer / receiver) and what
+(spec / adapter hash), expected vs got, and nothing is loaded. A weights file that does not
+match the sha256 the card recorded at save time, or does not parse, raises
+:class:`FuserIntegrityError` (a :class:`FuserVersionError`): catching ``FuserVersionError``
+catches every "do not apply this fuser".
+
+Retraining rule (:func:`needs_retrain`): retrain a pair's fuser when the relative change of
+the adapters' effective update ``ΔW = B A``, over all modules together, exceeds a threshold
+(default 5 %), or when an adapter appears, disappears or changes structure. Why: the fuser
+learned a projection between the two models' KV spaces; an adapter that moves ``ΔW`` a little
+moves the caches a little and the learned projection stays valid (the fuser's own gates and
+residual form absorb small shifts), while retraining every round for every pair would cost
+the server ``O(pairs)`` trainings per round for no measurable gain. A large change (or a new
+adapter on a base model) moves the caches out of what the fuser saw.
+
+For the wire (Flower's ``ArrayRecord`` sends every array separately), :func:`pack_state`
+packs a fuser state dict into one flat float32 array plus a JSON index. It does not reuse
+:func:`edgefuse.lora.pack_adapter`: that one validates keys as ``lora_A``/``lora_B``
+weights, and a fuser's keys are ``layers.0.key.down.weight`` and the like.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from urllib.parse import quote
+
+import numpy as np
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from edgefuse import packing
+from edgefuse.io import atomic_write_dir
+from edgefuse.aggregation import module_shapes, split_key
+
+__all__ = [
+    "FORMAT_VERSION", "PACK_PART", "FuserCard", "FuserIntegrityError", "FuserRegistry",
+    "FuserVersion", "FuserVersionError", "ModelVersion", "adapter_change", "adapter_hash",
+    "check_received", "config_hash", "needs_retrain", "pack_state", "state_digest",
+    "unpack_state",
+]
+
+FORMAT_VERSION = 1       # of the saved folder; a card from a newer edgefuse is refused
+PACK_PART = "fuser"      # name of the one flat array pack_state returns
+WEIGHTS, CONFIG, CARD, LATEST = "fuser.safetensors", "config.json", "card.json", "latest"
+_ID = re.compile(r"^[0-9a-f]{16}$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_EPS = 1e-12
+
+
+class FuserVersionError(ValueError):
+    """A fuser that must not be applied: wrong versions for the client's models, or (as
+    :class:`FuserIntegrityError`) corrupted files. The message says why."""
+
+
+class FuserIntegrityError(FuserVersionError):
+    """A saved fuser whose files are corrupted or tampered with (sha256, parse, consistency)."""
+
+
+# ------------------------------------------------------------------------- hashing
+
+
+def _canonical_json(obj) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+def state_digest(state: dict) -> str:
+    """Full sha256 (hex) of a state dict as float32: what :func:`adapter_hash` truncates.
+
+    Per key in sorted order: a JSON header ``[key, shape, "<f4"]``, the byte count, then the
+    values as little-endian float32. So the digest depends on keys, shapes and values only,
+    not on the in-memory dtype (a float64 copy of the same float32 values hashes the same).
+    Accepts numpy arrays or CPU torch tensors.
+    """
+    h = hashlib.sha256()
+    for key in sorted(state):
+        value = state[key]
+        if isinstance(value, torch.Tensor):
+            value = value.detach().to("cpu", torch.float32).numpy()
+        a = np.ascontiguousarray(value, dtype="<f4")
+        h.update(json.dumps([key, list(a.shape), "<f4"]).encode())
+        h.update(a.nbytes.to_bytes(8, "little"))
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def adapter_hash(state: dict[str, np.ndarray] | None) -> str:
+    """Short stable id of a LoRA adapter state: ``state_digest(state)[:16]``; ``"base"`` for
+    ``None`` (no adapter: the base model). An empty dict is an adapter with no modules and
+    hashes like any other state."""
+    return "base" if state is None else state_digest(state)[:16]
+
+
+def config_hash(fuser_config: dict) -> str:
+    """sha256 (hex, first 12) of the config as canonical JSON (sorted keys, no spaces), so
+    key order does not matter.
+
+    Raises:
+        ValueError: the config is not JSON-serialisable (or holds NaN/Inf).
+    """
+    try:
+        text = _canonical_json(fuser_config)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"fuser config is not JSON-serialisable: {e}") from None
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+# ------------------------------------------------------------------------- versions and cards
+
+
+@dataclass(frozen=True)
+class ModelVersion:
+    """One side of a pair: the model spec (registry name, hub id or folder) and the hash of
+    its LoRA adapter (:func:`adapter_hash`, ``"base"`` without adapter)."""
+
+    spec: str
+    adapter_hash: str
+
+    def __post_init__(self):
+        for name in ("spec", "adapter_hash"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"ModelVersion.{name} must be a non-empty string, "
+                                 f"got {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True)
+class FuserVersion:
+    """What a fuser was trained for: sharer, receiver and the fuser config's hash."""
+
+    sharer: ModelVersion
+    receiver: ModelVersion
+    config_hash: str
+
+    @property
+    def id(self) -> str:
+        """16 hex chars: sha256 of the canonical JSON of :meth:`to_dict` (stable across runs)."""
+        return hashlib.sha256(_canonical_json(self.to_dict()).encode()).hexdigest()[:16]
+
+    def to_dict(self) -> dict:
+        return {"sharer": dataclasses.asdict(self.sharer),
+                "receiver": dataclasses.asdict(self.receiver), "config_hash": self.config_hash}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> FuserVersion:
+        """Inverse of :meth:`to_dict`.
+
+        Raises:
+            ValueError: missing or unknown keys, or empty strings.
+        """
+        try:
+            if set(d) != {"sharer", "receiver", "config_hash"}:
+                raise ValueError(f"keys {sorted(d)}")
+            return cls(ModelVersion(**d["sharer"]), ModelVersion(**d["receiver"]),
+                       d["config_hash"])
+        except (TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"malformed fuser version {d!r}: {e}") from None
+
+
+@dataclass
+class FuserCard:
+    """What is known about one saved fuser (``card.json``); JSON-serialisable.
+
+    Made with :meth:`for_version` by the trainer; :meth:`FuserRegistry.save` fills ``params``,
+    ``bytes``, ``weights_sha256``, ``state_sha256`` and ``created`` (when empty).
+
+    Attributes:
+        sharer_spec, sharer_adapter_hash, receiver_spec, receiver_adapter_hash, config_hash:
+            the :class:`FuserVersion` (see :attr:`version`).
+        version_id: ``FuserVersion.id``.
+        pair: ``"<sharer>__to__<receiver>"`` (the pair's folder name).
+        train_steps, train_examples: optimizer steps and distinct training prompts.
+        data: free-text description of the training data (public set, split, size).
+        scores: evaluation scores by name (e.g. ``{"val_loss": 2.1, "base_val_loss": 2.4}``).
+        params: parameter count; bytes: the weights as float32 (the download size).
+        weights_sha256: sha256 of ``fuser.safetensors`` at save time.
+        state_sha256: :func:`state_digest` of the weights (checks a state received by wire).
+        created: ISO-8601 UTC time of the save.
+        format_version: :data:`FORMAT_VERSION` of the writer.
+    """
+
+    sharer_spec: str
+    sharer_adapter_hash: str
+    receiver_spec: str
+    receiver_adapter_hash: str
+    config_hash: str
+    version_id: str
+    pair: str
+    train_steps: int = 0
+    train_examples: int = 0
+    data: str = ""
+    scores: dict[str, float | None] = field(default_factory=dict)
+    params: int = 0
+    bytes: int = 0
+    weights_sha256: str = ""
+    state_sha256: str = ""
+    created: str = ""
+    format_version: int = FORMAT_VERSION
+
+    @classmethod
+    def for_version(cls, version: FuserVersion, *, train_steps: int = 0, train_examples: int = 0,
+                    data: str = "", scores: dict | None = None) -> FuserCard:
+        return cls(sharer_spec=version.sharer.spec, sharer_adapter_hash=version.sharer.adapter_hash,
+                   receiver_spec=version.receiver.spec,
+                   receiver_adapter_hash=version.receiver.adapter_hash,
+                   config_hash=version.config_hash, version_id=version.id,
+                   pair=pair_name(version.sharer.spec, version.receiver.spec),
+                   train_steps=train_steps, train_examples=train_examples, data=data,
+                   scores=dict(scores or {}))
+
+    @property
+    def version(self) -> FuserVersion:
+        return FuserVersion(ModelVersion(self.sharer_spec, self.sharer_adapter_hash),
+                            ModelVersion(self.receiver_spec, self.receiver_adapter_hash),
+                            self.config_hash)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        """Indented JSON. Raises ``ValueError`` for NaN/Inf scores or non-JSON values."""
+        try:
+            return json.dumps(self.to_dict(), indent=2, sort_keys=True, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"fuser card is not JSON-serialisable (NaN/Inf score or a "
+                             f"non-JSON value): {e}") from None
+
+    @classmethod
+    def from_dict(cls, d: dict) -> FuserCard:
+        """Build and check a card: unknown or missing keys, a card from a newer format, or
+        fields that disagree with each other (``version_id`` vs the version fields, ``pair``)
+        raise :class:`FuserIntegrityError`."""
+        if not isinstance(d, dict):
+            raise FuserIntegrityError(f"fuser card must be a JSON object, got {type(d).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        if set(d) - known:
+            raise FuserIntegrityError(f"fuser card has unknown keys {sorted(set(d) - known)}")
+        fmt = d.get("format_version", FORMAT_VERSION)
+        if not isinstance(fmt, int) or fmt > FORMAT_VERSION:
+            raise FuserIntegrityError(f"fuser card has format_version {fmt!r}; this edgefuse "
+                                      f"reads up to {FORMAT_VERSION}: upgrade edgefuse")
+        try:
+            card = cls(**d)
+            version = card.version
+        except (TypeError, ValueError) as e:
+            raise FuserIntegrityError(f"malformed fuser card: {e}") from None
+        if card.version_id != version.id:
+            raise FuserIntegrityError(f"fuser card says version {card.version_id}, its version "
+                                      f"fields give {version.id}: card edited or corrupted")
+        if card.pair != pair_name(card.sharer_spec, card.receiver_spec):
+            raise FuserIntegrityError(f"fuser card pair {card.pair!r} does not match its specs")
+        return card
+
+    @classmethod
+    def from_json(cls, text: str) -> FuserCard:
+        try:
+            d = json.loads(text)
+        except (TypeError, ValueError) as e:
+            raise FuserIntegrityError(f"fuser card is not valid JSON: {e}") from None
+        return cls.from_dict(d)
+
+
+def _safe_name(spec: str) -> str:
+    # Percent-encoding is injective; a leading "." is encoded too (hidden/".." folders).
+    name = quote(spec, safe="")
+    return "%2E" + name[1:] if name.startswith(".") else name
+
+
+def pair_name(sharer_spec: str, receiver_spec: str) -> str:
+    """Folder name of a pair: ``<sharer>__to__<receiver>``, specs percent-encoded."""
+    return f"{_safe_name(sharer_spec)}__to__{_safe_name(receiver_spec)}"
+
+
+# ------------------------------------------------------------------------- the registry
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # e.g. Windows cannot open a directory
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _float32_state(fuser_or_state) -> dict[str, torch.Tensor]:
+    state = fuser_or_state
+    if isinstance(state, torch.nn.Module):
+        state = state.state_dict()
+    out = {}
+    for key, value in state.items():
+        t = torch.as_tensor(value)
+        if not t.is_floating_point():
+            raise ValueError(f"fuser state {key!r} has dtype {t.dtype}: only float weights are saved")
+        out[key] = t.detach().to("cpu", torch.float32).contiguous().clone()
+    return out
+
+
+class FuserRegistry:
+    """Versioned fusers under ``root`` (layout in the module docstring). Server side."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root).expanduser().resolve()
+
+    def pair_dir(self, sharer_spec: str, receiver_spec: str) -> Path:
+        return self.root / pair_name(sharer_spec, receiver_spec)
+
+    def path(self, version: FuserVersion) -> Path:
+        """The folder of ``version`` (whether or not it exists)."""
+        return self.pair_dir(version.sharer.spec, version.receiver.spec) / version.id
+
+    def save(self, fuser: torch.nn.Module, config: dict, version: FuserVersion,
+             card: FuserCard) -> Path:
+        """Save ``fuser``'s weights (as float32), ``config`` and the completed ``card`` as
+        ``version``, and make it the pair's latest. Returns the version folder.
+
+        The folder is built in a hidden temporary sibling and renamed into place; on any
+        error the temporary folder is removed and the registry is as before. Saving a version
+        id that exists (same models and config, retrained) replaces it.
+
+        Raises:
+            ValueError: ``config_hash(config) != version.config_hash``, a card for another
+                version, a non-float weight, or a card/config that is not JSON-serialisable.
+        """
+        if config_hash(config) != version.config_hash:
+            raise ValueError(f"config hashes to {config_hash(config)}, the version says "
+                             f"{version.config_hash}: build the version from this config")
+        if card.version != version or card.version_id != version.id:
+            raise ValueError(f"the card is for version {card.version_id} "
+                             f"({card.version}), not {version.id} ({version})")
+        state = _float32_state(fuser)
+        blob = st_save(state, metadata={"format": "pt", "edgefuse_fuser_version": version.id})
+        params = sum(t.numel() for t in state.values())
+        card = dataclasses.replace(
+            card, scores=dict(card.scores), params=params, bytes=4 * params,
+            weights_sha256=hashlib.sha256(blob).hexdigest(), state_sha256=state_digest(state),
+            created=card.created or datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            format_version=FORMAT_VERSION)
+        card_json, config_json = card.to_json(), json.dumps(config, indent=2, sort_keys=True)
+
+        out = self.path(version)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_write_dir(out) as tmp:
+            _write(tmp / WEIGHTS, blob)
+            _write(tmp / CONFIG, config_json.encode())
+            _write(tmp / CARD, card_json.encode())
+        _fsync_dir(out.parent)
+        self._set_latest(out.parent, version.id)
+        return out
+
+    @staticmethod
+    def _set_latest(pair_dir: Path, version_id: str) -> None:
+        fd, tmp = tempfile.mkstemp(prefix=f".{LATEST}.tmp-", dir=pair_dir)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(f"{version_id}\n".encode())
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, pair_dir / LATEST)
+            _fsync_dir(pair_dir)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def _read_card(self, folder: Path) -> FuserCard:
+        try:
+            text = (folder / CARD).read_text()
+        except OSError as e:
+            raise FuserIntegrityError(f"cannot read the fuser card {folder / CARD}: {e}") from None
+        card = FuserCard.from_json(text)
+        if card.version_id != folder.name:
+            raise FuserIntegrityError(f"{folder / CARD} is the card of version {card.version_id}, "
+                                      f"not of its folder {folder.name}")
+        return card
+
+    def latest(self, sharer_spec: str, receiver_spec: str) -> FuserVersion | None:
+        """The pair's latest version, ``None`` when the pair has none.
+
+        Raises:
+            FuserIntegrityError: a ``latest`` pointer that is malformed or names a missing
+                version, or a corrupted card.
+        """
+        pair = self.pair_dir(sharer_spec, receiver_spec)
+        try:
+            vid = (pair / LATEST).read_text().strip()
+        except FileNotFoundError:
+            return None
+        if not _ID.match(vid):
+            raise FuserIntegrityError(f"{pair / LATEST} holds {vid[:40]!r}, not a version id")
+        if not (pair / vid).is_dir():
+            raise FuserIntegrityError(f"{pair / LATEST} names version {vid}, which is not in "
+                                      "the registry")
+        card = self._read_card(pair / vid)
+        if (card.sharer_spec, card.receiver_spec) != (sharer_spec, receiver_spec):
+            raise FuserIntegrityError(f"the latest fuser of {pair.name} is for the pair "
+                                      f"{card.sharer_spec!r} -> {card.receiver_spec!r}")
+        return card.version
+
+    def load_state(self, version: FuserVersion) -> tuple[dict[str, torch.Tensor], dict, FuserCard]:
+        """``(state_dict, config, card)`` of ``version``, checked before anything is returned:
+        the card describes ``version``, the config hashes to ``version.config_hash``, the
+        weights file has the sha256 the card recorded and parses as safetensors, and the
+        parsed state matches the card's digest and size.
+
+        Raises:
+            FuserVersionError: ``version`` is not in the registry.
+            FuserIntegrityError: any check above fails (the message says which).
+        """
+        folder = self.path(version)
+        if not folder.is_dir():
+            raise FuserVersionError(f"no fuser version {version.id} in {folder.parent} "
+                                    f"({version})")
+        card = self._read_card(folder)
+        if card.version != version:
+            raise FuserIntegrityError(f"{folder / CARD} describes {card.version}, not {version}")
+        try:
+            config = json.loads((folder / CONFIG).read_text())
+        except (OSError, ValueError) as e:
+            raise FuserIntegrityError(f"cannot read {folder / CONFIG}: {e}") from None
+        if config_hash(config) != version.config_hash:
+            raise FuserIntegrityError(f"{folder / CONFIG} hashes to {config_hash(config)}, the "
+                                      f"version says {version.config_hash}: config edited")
+        try:
+            blob = (folder / WEIGHTS).read_bytes()
+        except OSError as e:
+            raise FuserIntegrityError(f"cannot read {folder / WEIGHTS}: {e}") from None
+        sha = hashlib.sha256(blob).hexdigest()
+        if sha != card.weights_sha256:
+            raise FuserIntegrityError(f"{folder / WEIGHTS} has sha256 {sha[:16]}..., the card "
+                                      f"recorded {card.weights_sha256[:16]}... at save time: the "
+                                      "weights are corrupted or tampered with; refusing to load")
+        try:
+            state = st_load(blob)
+        except Exception as e:  # safetensors raises its own error types
+            raise FuserIntegrityError(f"{folder / WEIGHTS} is not a valid safetensors file: "
+                                      f"{e}") from None
+        check_state(state, card)
+        return state, config, card
+
+    def load_for(self, sharer: ModelVersion,
+                 receiver: ModelVersion) -> tuple[dict[str, torch.Tensor], dict, FuserCard]:
+        """The latest fuser of the pair ``sharer -> receiver``, refused unless it was trained
+        for exactly these model versions.
+
+        Raises:
+            FuserVersionError: no fuser for the pair, or the latest one is for another spec or
+                adapter (see :meth:`check_compatible`); its integrity subclass for corrupted files.
+        """
+        version = self.latest(sharer.spec, receiver.spec)
+        if version is None:
+            raise FuserVersionError(f"no fuser registered for {sharer.spec!r} -> "
+                                    f"{receiver.spec!r} in {self.root}")
+        self.check_compatible(version, sharer, receiver)
+        return self.load_state(version)
+
+    @staticmethod
+    def check_compatible(version: FuserVersion, sharer: ModelVersion,
+                         receiver: ModelVersion) -> None:
+        """Raise :class:`FuserVersionError` naming every mismatch (side, spec or adapter hash,
+        expected by the fuser vs got from the client); return ``None`` when all match."""
+        problems = []
+        for side, want, got in (("sharer", version.sharer, sharer),
+                                ("receiver", version.receiver, receiver)):
+            if want.spec != got.spec:
+                problems.append(f"{side} spec: fuser expects {want.spec!r}, got {got.spec!r}")
+            if want.adapter_hash != got.adapter_hash:
+                problems.append(f"{side} adapter hash: fuser expects {want.adapter_hash}, got "
+                                f"{got.adapter_hash} (the adapter differs from the one the "
+                                "fuser was trained with)")
+        if problems:
+            raise FuserVersionError(f"fuser {version.id} does not match the client's models, "
+                                    "refusing to apply it: " + "; ".join(problems))
+
+    def list(self) -> list[FuserCard]:
+        """Cards of every saved version, sorted by pair then creation time.
+
+        Raises:
+            FuserIntegrityError: a corrupted card (its path is in the message).
+        """
+        cards = []
+        if not self.root.is_dir():
+            return cards
+        for pair in sorted(p for p in self.root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+            for folder in sorted(pair.iterdir()):
+                if folder.is_dir() and _ID.match(folder.name):
+                    cards.append(self._read_card(folder))
+        return sorted(cards, key=lambda c: (c.pair, c.created, c.version_id))
+
+
+def check_state(state: dict, card: FuserCard) -> None:
+    """Check a loaded or received fuser state against its card (digest and parameter count).
+
+    Raises:
+        FuserIntegrityError: the state is not the one the card describes.
+    """
+    params = sum(int(np.prod(tuple(v.shape))) for v in state.values())
+    if params != card.params:
+        raise FuserIntegrityError(f"fuser state has {params} parameters, the card says {card.params}")
+    digest = state_digest(state)
+    if digest != card.state_sha256:
+        raise FuserIntegrityError(f"fuser state digest {digest[:16]}... differs from the card's "
+                                  f"{card.state_sha256[:16]}...: corrupted or tampered; refusing it")
+
+
+def check_received(card: FuserCard, state: dict, config: dict, sharer_spec: str) -> None:
+    """Check a fuser received by wire (or rebuilt from a client's store) before it is used:
+    it must come from a registry save and be exactly what its card describes.
+
+    Checked: the card is a saved registry card (``weights_sha256`` and ``state_sha256`` are
+    64-hex sha256s, ``params > 0``, ``created`` set: :meth:`FuserRegistry.save` fills them, a
+    hand-made or foreign card has none); the card is for ``sharer_spec`` (the sharer the
+    message names, so a fuser cannot be installed for another sharer); ``config`` hashes to
+    the card's ``config_hash``; and the state's parameter count and digest equal the card's
+    (:func:`check_state`).
+
+    Raises:
+        FuserIntegrityError: the first failed check (the message says which).
+    """
+    if not (_SHA256.match(card.weights_sha256 or "") and _SHA256.match(card.state_sha256 or "")
+            and card.params > 0 and card.created):
+        raise FuserIntegrityError(f"fuser {card.version_id} has no registry save record "
+                                  "(sha256s, size, creation time): unknown source, refusing it")
+    if card.sharer_spec != sharer_spec:
+        raise FuserIntegrityError(f"fuser {card.version_id} is for sharer {card.sharer_spec!r} "
+                                  f"but was sent as the fuser of {sharer_spec!r}; refusing it")
+    try:
+        got = config_hash(config)
+    except ValueError as e:
+        raise FuserIntegrityError(f"fuser {card.version_id}: {e}") from None
+    if got != card.config_hash:
+        raise FuserIntegrityError(f"fuser {card.version_id}: its config hashes to {got}, the "
+                                  f"card says {card.config_hash}: config altered; refusing it")
+    check_state(state, card)
+
+
+# ------------------------------------------------------------------------- wire packing
+
+
+def pack_state(state: dict) -> tuple[dict[str, np.ndarray], str]:
+    """Pack a state dict (torch tensors or numpy arrays, float) into one flat float32 array.
+
+    Returns:
+        ``({PACK_PART: flat}, index_json)``: the tensors concatenated in sorted key order; the
+        index is as in :mod:`edgefuse.packing`.
+
+    Raises:
+        ValueError: a non-float value.
+    """
+    return packing.pack(state, lambda key: PACK_PART, (PACK_PART,))
+
+
+def unpack_state(arrays: dict[str, np.ndarray], index_json: str) -> dict[str, np.ndarray]:
+    """Inverse of :func:`pack_state`; float32 copies. Other arrays are ignored.
+
+    Raises:
+        ValueError: an index that is not a JSON list of well-formed entries, a missing or
+            non-1-D-float flat array, an empty or repeated key, a bad shape, a size that is not
+            the product of the shape, an entry out of bounds, entries that do not tile the
+            flat array exactly (gap, overlap, or sizes that do not add up), or NaN/Inf values.
+    """
+    return packing.unpack(arrays, index_json, (PACK_PART,), require_finite=True)
+
+
+def adapter_change(old: dict[str, np.ndarray] | None, new: dict[str, np.ndarray] | None) -> float:
+    """Relative change of an adapter's effective update, all modules together::
+
+        change = sqrt(Σ_m ||B_new,m A_new,m − B_old,m A_old,m||²_F)
+                 / max(sqrt(Σ_m ||B_old,m A_old,m||²_F), eps)
+
+    i.e. the Frobenius norm of the difference over the norm of the old update, with the
+    squared norms summed over modules (so the value does not grow with the number of
+    modules, and one module with a tiny old update cannot dominate). ``alpha / r`` is left
+    out: it is the same on both sides when the rank is.
+
+    Returns ``0.0`` for ``None``/``None``, ``inf`` when exactly one side is ``None`` (an
+    adapter appeared or was dropped) or when the structure differs (other modules, shapes or
+    a changed rank, whose scaling then differs too). Against an all-zero old adapter
+    (``B = 0`` at init) any non-zero update is a huge change.
+
+    Raises:
+        ValueError: (``MalformedUpdateError``) a key that is not a LoRA A/B weight, or a
+            module with only one of A and B.
+    """
+    if old is None and new is None:
+        return 0.0
+    if old is None or new is None:
+        return math.inf
+    if module_shapes(old) != module_shapes(new):
+        return math.inf
+
+    def parts(state):
+        out: dict[str, dict[str, np.ndarray]] = {}
+        for key, value in state.items():
+            module, part = split_key(key)
+            out.setdefault(module, {})[part] = np.asarray(value, dtype=np.float64)
+        return out
+
+    po, pn = parts(old), parts(new)
+    diff2 = base2 = 0.0
+    for module in po:
+        if po[module]["lora_A"].shape != pn[module]["lora_A"].shape:
+            return math.inf  # rank changed
+        dw_old = po[module]["lora_B"] @ po[module]["lora_A"]
+        dw_new = pn[module]["lora_B"] @ pn[module]["lora_A"]
+        diff2 += float(np.sum((dw_new - dw_old) ** 2))
+        base2 += float(np.sum(dw_old ** 2))
+    return math.sqrt(diff2) / max(math.sqrt(base2), _EPS)
+
+
+def needs_retrain(old: dict[str, np.ndarray] | None, new: dict[str, np.ndarray] | None,
+                  threshold: float = 0.05) -> bool:
+    """Whether a fuser trained with adapter ``old`` on one side must be retrained now that the
+    side's adapter is ``new``: ``adapter_change(old, new) > threshold`` (see
+    :func:`adapter_change` and the module docstring for the rule and why). Call it per side;
+    retrain the pair when either side says so.
+
+    Raises:
+        ValueError: ``threshold < 0``, or malformed adapter states.
+    """
+    if not threshold >= 0:
+        raise ValueError(f"threshold must be >= 0, got {threshold}")
+    return adapter_change(old, new) > threshold

@@ -1,0 +1,1 @@
+"""Command-line entry points (``edgefuse ...``); the library never imports this package."""

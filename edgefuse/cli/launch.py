@@ -1,0 +1,224 @@
+"""Hydra entry point: run the Flower simulation for one composed config (or a sweep).
+
+Each Hydra job fetches the models its federation names (once, into the cache), then
+runs ``flwr run <app> local --stream`` with the job's overrides passed through the
+Flower run config, so the ServerApp composes exactly the same config. Values that depend
+on this shell's environment (cache folder, data mirror) are pinned as explicit
+overrides, because the local SuperLink may be a process started earlier with another
+environment.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from edgefuse.app import phases
+from edgefuse.config import CONF_DIR, ConfigError, validate
+from edgefuse.models import ModelFetchError, ModelSpecError, cache_dir, get_spec, is_fetched
+from edgefuse.data import mirror_file
+from edgefuse.results import RunRecorder, load_results
+
+APP_DIR = Path(__file__).resolve().parents[2]  # the Flower app: the folder with pyproject.toml
+
+FLOWER_ENV = {
+    # Without this, every run `uv sync`s the app's dependencies (torch included).
+    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+    "FLWR_TELEMETRY_ENABLED": "0",
+    "FLWR_DISABLE_UPDATE_CHECK": "1",
+    "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
+}
+
+
+class RunFailed(RuntimeError):
+    """``flwr run`` exited non-zero or the run did not complete."""
+
+
+def _quote(value: str) -> str:
+    """Quote a value for the Hydra override grammar."""
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def default_mirror() -> Path | None:
+    """``../shared/data`` beside the checkout, when it holds the data (the offline mirror)."""
+    cand = APP_DIR.parent / "shared" / "data"
+    return cand.resolve() if (cand / "dolly").is_dir() else None
+
+
+def pinned_overrides(cfg: DictConfig, task_overrides: list[str]) -> list[str]:
+    """The job's overrides plus this environment's cache and mirror, always explicit.
+
+    A long-lived local SuperLink composes the config in its own environment, so nothing
+    environment-dependent is left for it to fill in (``data.mirror=null`` = the hub).
+    """
+    items = list(task_overrides)
+    items.append(f"paths.cache_dir={_quote(str(cache_dir(cfg.paths.cache_dir)))}")
+    mirror = cfg.data.get("mirror")
+    items.append("data.mirror=" + (_quote(str(Path(mirror).expanduser().resolve()))
+                                   if mirror else "null"))
+    return items
+
+
+def foreign_superlink() -> str | None:
+    """The command line of a running local simulation SuperLink started from another
+    Python environment (its runs would use that environment's code), else None."""
+    import psutil
+
+    mine = str(Path(sys.executable).parent)
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if any(c.endswith("flower-superlink") for c in cmd[:2]) and "--simulation" in cmd:
+            if not any(c.startswith(mine) for c in cmd[:2]):
+                return " ".join(cmd[:2])
+    return None
+
+
+def prefetch(cfg: DictConfig) -> None:
+    """Fetch every embedded model the federation names, and the cloud's target when the
+    cloud phase is on (clients would race otherwise).
+
+    Runs in a child process, so the gigabytes a GGUF conversion touches go back to the
+    system before the federation starts.
+
+    Raises:
+        ModelSpecError: an unknown model name.
+        ModelFetchError: the fetch failed (its message is printed above).
+    """
+    missing = []
+    names = [str(c.model) for c in cfg.federation.clients]
+    if cfg.get("cloud") and cfg.cloud.get("enabled"):
+        names.append(str(cfg.cloud.model))
+    for name in dict.fromkeys(names):
+        spec = get_spec(name)
+        if spec.embedded and not is_fetched(spec, cfg.paths.cache_dir):
+            missing.append(name)
+    if not missing:
+        return
+    cmd = [sys.executable, "-m", "edgefuse.cli", "models", "fetch", *missing,
+           "--cache-dir", str(cache_dir(cfg.paths.cache_dir))]
+    if subprocess.run(cmd).returncode != 0:
+        raise ModelFetchError(f"fetching {', '.join(missing)} failed (see above)")
+
+
+def run_flower(cfg: DictConfig, overrides: list[str], out: Path) -> dict:
+    """Run one simulation through ``flwr run``; return the parsed results.json.
+
+    ``flwr``'s output is streamed through; Ctrl-C stops the run on the SuperLink too
+    (``flwr stop``) and marks results.json ``stopped``.
+
+    Raises:
+        RunFailed: ``flwr`` is missing, exits non-zero, or results.json says failed.
+        KeyboardInterrupt: the user stopped the run.
+    """
+    flwr = shutil.which("flwr") or str(Path(sys.executable).parent / "flwr")
+    if not Path(flwr).exists():
+        raise RunFailed("the `flwr` command is not installed: install edgefuse first (see README)")
+    out.mkdir(parents=True, exist_ok=True)
+    run_config = out / "run_config.toml"
+    run_config.write_text(
+        "experiment = " + _toml_str(str(cfg.experiment.name)) + "\n"
+        "overrides = " + _toml_str(shlex.join(overrides)) + "\n"
+        "output-dir = " + _toml_str(str(out)) + "\n"
+    )
+    fed = (f"num-supernodes={len(cfg.federation.clients)} "
+           f"client-resources-num-cpus={int(cfg.federation.client_num_cpus)}")
+    cmd = [flwr, "run", str(APP_DIR), "local", "--stream",
+           "--federation-config", fed, "--run-config", str(run_config)]
+    print("[edgefuse] " + shlex.join(cmd), flush=True)
+    # flwr starts `flower-superlink` from PATH: make this environment's scripts visible.
+    env = {**os.environ, **FLOWER_ENV,
+           "PATH": os.pathsep.join([str(Path(flwr).parent), os.environ.get("PATH", "")])}
+    run_id = None
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, bufsize=1)
+    try:
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            if run_id is None and (m := re.search(r"started run (\d+)", line)):
+                run_id = m.group(1)
+        proc.wait()
+    except KeyboardInterrupt:
+        print(f"\n[edgefuse] interrupted: stopping run {run_id} ...", flush=True)
+        if run_id:
+            subprocess.run([flwr, "stop", run_id, "local"], env=env, capture_output=True)
+        proc.terminate()
+        _mark_stopped(out / "results.json")
+        raise
+    results_path = out / "results.json"
+    if not results_path.exists():
+        raise RunFailed(f"`flwr run` exited with {proc.returncode} and wrote no {results_path}")
+    results = load_results(results_path)
+    if results.get("status") != "completed":
+        raise RunFailed(f"the run {results.get('status')}: {results.get('error')} (see {out})")
+    if proc.returncode != 0:
+        raise RunFailed(f"`flwr run` exited with {proc.returncode} (see {out})")
+    return results
+
+
+def _wait_for_serverapp_exit(timeout_s: float = 60.0) -> None:
+    """After ``flwr stop``, the simulation process finishes the step it is in before it
+    exits; wait for that (a zombie counts as gone) so it cannot write after us."""
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = []
+        for p in psutil.process_iter(["cmdline", "status"]):
+            cmd = " ".join(p.info["cmdline"] or [])
+            if "flwr-simulation" in cmd and p.info["status"] != psutil.STATUS_ZOMBIE:
+                alive.append(p)
+        if not alive:
+            return
+        time.sleep(0.5)
+
+
+def _mark_stopped(path: Path) -> None:
+    """Record a user stop in results.json (the stopped ServerApp could not)."""
+    _wait_for_serverapp_exit()
+    if path.exists():
+        rec = RunRecorder(path.parent, {})
+        rec.results = load_results(path)
+        if rec.results.get("status") == "running":
+            rec.finish("stopped", error="stopped by the user (Ctrl-C)")
+
+
+def _toml_str(s: str) -> str:
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
+def hydra_main(cfg: DictConfig) -> None:
+    """One Hydra job = one federated run, in the job's own output folder."""
+    hc = HydraConfig.get()
+    out = Path(hc.runtime.output_dir).resolve()
+    if not cfg.data.get("mirror") and default_mirror():
+        cfg.data.mirror = str(default_mirror())
+    try:
+        validate(cfg)
+        phases.check(cfg)
+        mirror_file(cfg.data)  # fail here, not in every client
+        prefetch(cfg)
+        if other := foreign_superlink():
+            print(f"[edgefuse] warning: the running local SuperLink ({other}) belongs to another "
+                  "Python environment and runs that environment's edgefuse code; stop it "
+                  "(`pkill -f flower-superlink`) to use this one.", file=sys.stderr, flush=True)
+        run_flower(cfg, pinned_overrides(cfg, list(hc.overrides.task)), out)
+    except KeyboardInterrupt:
+        print(f"[edgefuse] stopped; partial results in {out}", file=sys.stderr, flush=True)
+        sys.exit(130)
+    except (ConfigError, ModelSpecError, ModelFetchError, FileNotFoundError, RunFailed) as e:
+        if not (out / "results.json").exists():  # nothing ran: leave no empty folder behind
+            shutil.rmtree(out, ignore_errors=True)
+        print(f"edgefuse: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    print(f"[edgefuse] done: {out}", flush=True)

@@ -1,0 +1,201 @@
+"""``edgefuse`` command line.
+
+    edgefuse models list                  registered models and whether they are cached
+    edgefuse models fetch [NAME ...]      download + verify + convert (default: the edge SLMs)
+    edgefuse fusers list REGISTRY_DIR     fuser versions in a registry (e.g. <run>/fusers)
+    edgefuse run [HYDRA OVERRIDES ...]    the main job: a Flower simulation (`flwr run`)
+    edgefuse run --multirun training.lr=1e-4,3e-4   a Hydra sweep, one output folder per job
+    edgefuse cloud serve --model NAME [--port 39200 ...]   the cloud LLM service (until SIGINT/SIGTERM)
+    edgefuse cloud health [--host H --port P]              a running service's status (JSON)
+    edgefuse cloud generate --mode MODE [--prompt TEXT]    complete a prompt / chat through the cloud link
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from edgefuse.models import REGISTRY, ModelFetchError, ModelSpecError, fetch, is_fetched, model_dir
+
+EDGE_SLMS = ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"]
+
+
+def _models(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="edgefuse models")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("list", help="registered models and their cache state")
+    f = sub.add_parser("fetch", help="download, verify and convert embedded models once")
+    f.add_argument("names", nargs="*", help=f"default: {' '.join(EDGE_SLMS)}")
+    f.add_argument("--cache-dir", default=None, help="cache root (default $EDGEFUSE_CACHE or ~/.cache/edgefuse)")
+    args = parser.parse_args(argv)
+    if args.cmd == "list":
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title="edgefuse models")
+        for col in ("name", "architecture", "hub id", "cached", "license"):
+            table.add_column(col, no_wrap=col in ("name", "cached"))
+        for spec in REGISTRY.values():
+            if spec.tiny:
+                cached = "built in"
+            elif is_fetched(spec):
+                cached = "yes"
+            else:
+                cached = "incomplete: re-fetch" if model_dir(spec).exists() else "no"
+            table.add_row(spec.name, spec.arch, spec.hub_id or "-", cached, spec.license_note or "-")
+        Console(width=None if sys.stdout.isatty() else 160).print(table)
+        return 0
+    for name in args.names or EDGE_SLMS:
+        try:
+            path = fetch(name, args.cache_dir)
+        except (ModelSpecError, ModelFetchError) as e:
+            print(f"edgefuse: {e}", file=sys.stderr)
+            return 2
+        print(f"{name}: {path}")
+    return 0
+
+
+def _fusers(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="edgefuse fusers")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    ls = sub.add_parser("list", help="every fuser version in a registry folder (from the cards; "
+                                     "weights are verified when a fuser is loaded)")
+    ls.add_argument("registry", help="a registry folder, e.g. outputs/<run>/fusers")
+    args = parser.parse_args(argv)
+    from pathlib import Path
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from edgefuse.c2c.registry import FuserIntegrityError, FuserRegistry
+
+    root = Path(args.registry)
+    if not root.is_dir():
+        print(f"edgefuse: no registry folder {root}", file=sys.stderr)
+        return 2
+    reg = FuserRegistry(root)
+    try:
+        cards = reg.list()
+    except FuserIntegrityError as e:
+        print(f"edgefuse: {e}", file=sys.stderr)
+        return 2
+    table = Table(title=f"fusers in {reg.root}")
+    for col in ("sharer", "receiver", "version", "latest", "params", "MB", "steps", "val loss", "alone"):
+        table.add_column(col, justify="left" if col in ("sharer", "receiver", "version") else "right")
+    for c in cards:
+        latest = reg.latest(c.sharer_spec, c.receiver_spec)
+        scores = c.scores or {}
+        fmt = lambda x: "-" if x is None else f"{x:.4f}"  # noqa: E731
+        table.add_row(c.sharer_spec, c.receiver_spec, c.version_id,
+                      "yes" if latest is not None and latest.id == c.version_id else "",
+                      f"{c.params:,}", f"{c.bytes / 1e6:.2f}", str(c.train_steps),
+                      fmt(scores.get("val_loss")), fmt(scores.get("alone_val_loss")))
+    Console(width=None if sys.stdout.isatty() else 160).print(table)
+    return 0
+
+
+def _cloud(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="edgefuse cloud")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="serve a target LLM to devices (framed TCP, see edgefuse.cloud.service)")
+    s.add_argument("--model", required=True, help="a registered model name (edgefuse models list)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=39200, help="TCP port, 0 = any free one (default 39200)")
+    s.add_argument("--max-batch", type=int, default=8, help="jobs per forward pass, at most (default 8)")
+    s.add_argument("--max-wait-ms", type=float, default=100.0,
+                   help="ms the batcher waits at most to fill a batch after its first job; it stops "
+                        "early once every open session is in (default 100)")
+    s.add_argument("--max-sessions", type=int, default=64,
+                   help="sessions open at once; more get ERROR busy (default 64)")
+    s.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    s.add_argument("--max-context", type=int, default=2048, help="tokens per session, at most (default 2048)")
+    s.add_argument("--port-file", default=None, help="write the bound port here once listening")
+    s.add_argument("--log-level", default="INFO", help="logging level on stderr (default INFO)")
+    h = sub.add_parser("health", help="print a running service's status as JSON")
+    h.add_argument("--host", default="127.0.0.1")
+    h.add_argument("--port", type=int, default=39200)
+    h.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
+    g = sub.add_parser("generate", help="complete a prompt (--prompt) or chat through the cloud link")
+    g.add_argument("--mode", default="spec_async", choices=["all", "edge", "cloud", "spec_sync", "spec_async",
+                                                            "fusion_static", "fusion_adaptive"])
+    g.add_argument("--prompt", default=None, help="one prompt; without it: an interactive chat")
+    g.add_argument("--model", default="qwen2.5-coder-0.5b", help="the edge model (default qwen2.5-coder-0.5b)")
+    g.add_argument("--adapter", default=None, help="a PEFT adapter folder (a run's adapters/round_NNN/<model>)")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=39200)
+    g.add_argument("--wan", default="none", help="emulated link: none, lan, wan20, wan80 (default none)")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--gamma", type=int, default=None, help="fixed draft length (default: adaptive)")
+    g.add_argument("--draft-head", type=int, default=0, help="frequency-pruned draft head size (0 = full)")
+    g.add_argument("--fusion-weight", type=float, default=0.5, help="edge weight of static fusion")
+    g.add_argument("--confidence", default="entropy", choices=["entropy", "margin"])
+    g.add_argument("--deadline-ms", type=float, default=1000.0, help="per fused token (ms)")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    args = parser.parse_args(argv)
+    if args.cmd == "generate":
+        from edgefuse.cloud.chat import run
+        from edgefuse.cloud.decoding.decoder import DecodeError
+        from edgefuse.models import ModelFetchError, ModelSpecError
+
+        from edgefuse.cloud.protocol import RemoteError
+
+        try:
+            return run(args)
+        except (DecodeError, ModelSpecError, ModelFetchError, FileNotFoundError, ValueError,
+                RemoteError, RuntimeError) as e:  # RuntimeError: e.g. an adapter of another model
+            print(f"edgefuse: {e}", file=sys.stderr)
+            return 2
+    if args.cmd == "health":
+        import json
+
+        from edgefuse.cloud.link import CloudUnavailable, cloud_health
+
+        try:
+            status = cloud_health(args.host, args.port, args.timeout)
+        except CloudUnavailable as e:
+            print(f"edgefuse: {e}", file=sys.stderr)
+            return 1
+        print(json.dumps(status, indent=2, sort_keys=True))
+        return 0
+    import logging
+
+    from edgefuse.cloud.service import serve
+    from edgefuse.models import ModelFetchError, ModelSpecError
+
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        serve(args.model, args.host, args.port, max_batch=args.max_batch,
+              max_wait_ms=args.max_wait_ms, max_sessions=args.max_sessions, threads=args.threads,
+              max_context=args.max_context, port_file=args.port_file)
+    except (ModelSpecError, ModelFetchError, ValueError, OSError) as e:
+        print(f"edgefuse: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``edgefuse`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    if argv[0] == "models":
+        return _models(argv[1:])
+    if argv[0] == "fusers":
+        return _fusers(argv[1:])
+    if argv[0] == "cloud":
+        return _cloud(argv[1:])
+    if argv[0] == "run":
+        from edgefuse.cli.launch import hydra_main
+
+        sys.argv = [sys.argv[0], *argv[1:]]
+        return hydra_main() or 0
+    print(f"edgefuse: unknown command {argv[0]!r}\n{__doc__}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""``edgefuse cloud generate``: complete one prompt or chat through the cloud link.
+
+The edge model (optionally with a LoRA adapter folder from a run's ``adapters/``) runs in
+this process; the cloud service must be running (``edgefuse cloud serve``). Every reply
+prints the decoding figures: tokens/s, ms per token, round trips, bytes each way per
+token, acceptance rate.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from edgefuse.cloud.decoding.decoder import MODES, DecodeConfig, DecodeResult, Decoder, EdgeLM
+from edgefuse.cloud.fusion import FusionConfig
+from edgefuse.cloud.target import tokenizer_fingerprint
+
+
+def load_edge(model: str, adapter: str | None = None, cache_dir: str | None = None):
+    """``(model, tokenizer)`` of the edge SLM, with the PEFT ``adapter`` folder applied.
+
+    Raises ``FileNotFoundError`` for a missing adapter folder, ``ModelSpecError`` for an
+    unknown model name."""
+    from pathlib import Path
+
+    from edgefuse.models import load_model
+
+    m, tok = load_model(model, cache_dir)
+    if adapter:
+        if not (Path(adapter) / "adapter_config.json").is_file():
+            raise FileNotFoundError(f"{adapter} is not a PEFT adapter folder (no adapter_config.json); "
+                                    "use a run's adapters/round_NNN/<model> folder")
+        from peft import PeftModel
+
+        m = PeftModel.from_pretrained(m, adapter).merge_and_unload()
+    return m.eval(), tok
+
+
+def figures(res: DecodeResult) -> str:
+    """One line of the decoding figures of ``res``."""
+    acc = "" if res.acceptance_rate is None else f", acceptance {res.acceptance_rate:.2f}"
+    w = "" if res.edge_weight_mean is None else f", edge weight {res.edge_weight_mean:.2f}"
+    miss = f", {res.deadline_misses} deadline misses" if res.deadline_misses else ""
+    out = (f"[{res.mode}] {len(res.tokens)} tokens, {res.tokens_per_s:.2f} tok/s, "
+           f"{res.ms_per_token:.0f} ms/token, {res.round_trips_per_token:.2f} round trips/token, "
+           f"{res.bytes_up_per_token:.0f} B up + {res.bytes_down_per_token:.0f} B down per token{acc}{w}{miss}")
+    if res.fallback:
+        out += f"\n  note: {res.fallback}"
+    return out
+
+
+def _prompt_ids(tok, messages: list[dict]) -> list[int]:
+    if getattr(tok, "chat_template", None):
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+    return tok(text)["input_ids"]
+
+
+def run(args) -> int:
+    """The command (arguments from :func:`edgefuse.cli.main`); returns the exit status."""
+    from edgefuse.transport.wan import WanProfile
+
+    from edgefuse.cloud.link import CloudLink, CloudUnavailable
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    modes = list(MODES) if args.mode == "all" else [args.mode]
+    model, tok = load_edge(args.model, args.adapter)
+    head = None
+    if args.draft_head:
+        from edgefuse.config import compose
+
+        from edgefuse.cloud.devices import pruned_head
+
+        cfg = compose("default")
+        head = pruned_head(model, tok, cfg.data, int(cfg.seed), args.draft_head)
+    link = None
+    if any(m != "edge" for m in modes):
+        try:
+            link = CloudLink.connect(args.host, args.port, wan=WanProfile.from_name(args.wan))
+        except CloudUnavailable as e:
+            print(f"edgefuse: no cloud service at {args.host}:{args.port} ({e}). Start one with "
+                  f"`edgefuse cloud serve --model qwen2.5-coder-1.5b --port {args.port}`, "
+                  "or use --mode edge", file=sys.stderr)
+            return 1
+    cfg = DecodeConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                       gamma=args.gamma, seed=args.seed,
+                       fusion=FusionConfig(weight=args.fusion_weight, confidence=args.confidence),
+                       deadline_ms=args.deadline_ms)
+    dec = Decoder(EdgeLM(model, tok, head=head), link, tokenizer_fingerprint(tok),
+                  rtt_ms=WanProfile.from_name(args.wan).rtt_ms)
+    history: list[dict] = []
+    try:
+        while True:
+            if args.prompt is not None:
+                text = args.prompt
+            else:
+                try:
+                    text = input("you> ").strip()
+                except EOFError:
+                    break
+                if text in ("", "/quit", "/exit"):
+                    break
+            history.append({"role": "user", "content": text})
+            ids = _prompt_ids(tok, history)
+            reply = None
+            for mode in modes:
+                res = dec.generate(mode, ids, cfg)
+                print(f"{mode}> {res.text}" if len(modes) > 1 or args.prompt is None else res.text)
+                print(figures(res), file=sys.stderr)
+                reply = reply if reply is not None else res.text
+            history.append({"role": "assistant", "content": reply or ""})
+            if args.prompt is not None:
+                break
+    finally:
+        if link is not None:
+            link.close()
+    return 0

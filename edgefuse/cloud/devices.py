@@ -1,0 +1,228 @@
+"""Evaluate the decoding modes side by side: concurrent device sessions, quality and cost.
+
+Shared by the main job (the device's ``query.decode`` handler, :mod:`edgefuse.app.handlers.decoding`),
+``bench/bench_cloud.py`` and ``edgefuse cloud generate``. One *device* here is one session
+at the cloud service: its own :class:`~edgefuse.cloud.link.CloudLink` and its own KV cache
+(:class:`~edgefuse.cloud.decoding.decoder.EdgeLM`); simulated devices in one process share the edge model's
+weights, which is what memory allows. For each mode, all devices decode their share of the
+prompts at the same time, so the service batches their requests.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from edgefuse.transport.wan import WanProfile
+from edgefuse.eval.queries import Query, gsm8k_final, prompt_split, rouge_l
+
+from edgefuse.cloud.decoding.decoder import MODES, DecodeConfig, DecodeResult, Decoder, DraftBatcher, EdgeLM
+
+ROW_FIELDS = ("mode", "rtt_ms", "devices", "tokens_per_s", "aggregate_tokens_per_s",
+              "round_trips_per_token", "bytes_down_per_token", "bytes_up_per_token",
+              "acceptance_rate", "identical_to_target", "agreement_with_target", "ms_per_token",
+              "gsm8k_exact_match", "rouge_l", "new_tokens", "deadline_misses", "fallbacks",
+              "edge_weight_mean", "prompts")
+
+
+def prompt_ids(query: Query, tok, max_prompt_tokens: int) -> list[int]:
+    """The chat-templated prompt ids of ``query`` (as the C2C evaluation builds them)."""
+    prefill, last = prompt_split(query, tok, max_prompt_tokens)
+    return prefill + [last]
+
+
+def public_corpus(data_cfg, seed: int, tok, max_rows: int = 2000) -> list[str]:
+    """Chat-templated prompt + response texts of the first ``max_rows`` public Dolly rows
+    (rows no client holds; the evaluation rows come after the C2C fuser rows, and GSM8K is
+    not in it): the corpus of the frequency-pruned draft head."""
+    from edgefuse.data import format_example, public_split
+
+    ds = public_split(data_cfg, seed)
+    return ["".join(format_example(ds[i], tok)) for i in range(min(max_rows, len(ds)))]
+
+
+def pruned_head(model, tok, data_cfg, seed: int, n: int, cache_dir=None):
+    """A :class:`edgefuse.cloud.decoding.drafters.DraftHead` keeping the ``n`` most frequent public-corpus tokens
+    (cached as JSON under ``<cache_dir>/draft_heads``), or None for ``n <= 0``."""
+    if n <= 0:
+        return None
+    from edgefuse.models import cache_dir as model_cache
+
+    from edgefuse.cloud.decoding.drafters import DraftHead, frequent_token_ids
+    from edgefuse.cloud.target import tokenizer_fingerprint
+
+    path = model_cache(cache_dir) / "draft_heads" / f"{tokenizer_fingerprint(tok)}-{n}.json"
+    ids = frequent_token_ids(tok, public_corpus(data_cfg, seed, tok), n, cache_path=path)
+    return DraftHead(model, ids)
+
+
+@dataclass
+class Record:
+    """One (prompt, mode) generation by one device."""
+    qid: str
+    kind: str
+    mode: str
+    device: int
+    result: DecodeResult
+    reference: str | None
+
+    def to_dict(self) -> dict:
+        return {"qid": self.qid, "kind": self.kind, "mode": self.mode, "device": self.device,
+                "reference": self.reference, "tokens": list(self.result.tokens),
+                **self.result.summary()}
+
+
+def run_devices(model, tok, queries: list[Query], modes: list[str], cfg: DecodeConfig,
+                host: str | None, port: int | None, wan: WanProfile | None, devices: int,
+                fingerprint: str, max_prompt_tokens: int = 256, head=None,
+                connect_timeout_s: float = 30.0, progress=None,
+                batch_devices: bool = True) -> tuple[list[Record], dict[str, float]]:
+    """Decode every query in every mode with ``devices`` concurrent sessions.
+
+    Queries are dealt round-robin to the devices; modes run one after another, each with all
+    devices at once. Each device opens one link (``wan`` emulated, seeded per device) and
+    keeps it for all modes. ``progress(mode, done, total)`` is called after each generation.
+    ``batch_devices``: the simulated devices' forward passes run batched
+    (:class:`~edgefuse.cloud.decoding.decoder.DraftBatcher`), standing in for devices computing in parallel.
+
+    Returns:
+        ``(records, wall_s)``: one :class:`Record` per (query, mode), and the wall time of
+        each mode's phase (seconds), for aggregate throughput.
+
+    Raises:
+        ValueError: ``devices < 1`` or an unknown mode; ``edgefuse.cloud.link.CloudUnavailable`` when
+            a link mode is asked for and the service cannot be reached at all.
+    """
+    from edgefuse.cloud.link import CloudLink
+
+    if devices < 1:
+        raise ValueError(f"devices must be >= 1, got {devices}")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise ValueError(f"unknown decoding modes {unknown}; choose from {', '.join(MODES)}")
+    need_link = any(m != "edge" for m in modes)
+    prompts = [prompt_ids(q, tok, max_prompt_tokens) for q in queries]
+    links = []
+    if need_link:
+        for d in range(devices):
+            prof = None if wan is None else WanProfile(wan.rtt_ms, wan.bandwidth_mbps, wan.jitter_ms,
+                                                       wan.loss, seed=wan.seed + d)
+            links.append(CloudLink.connect(host, port, wan=prof, timeout_s=connect_timeout_s))
+    rtt = wan.rtt_ms if wan is not None else 1.0
+    batcher = None
+    if batch_devices and devices > 1:
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        batcher = DraftBatcher(model, int(pad or 0))
+    decoders = [Decoder(EdgeLM(model, tok, head=head, batcher=batcher), links[d] if links else None,
+                        fingerprint, rtt_ms=rtt) for d in range(devices)]
+    records: list[Record] = []
+    wall: dict[str, float] = {}
+    lock = threading.Lock()
+    try:
+        for mode in modes:
+            done = [0]
+            errors: list[BaseException] = []
+
+            def work(d: int) -> None:
+                try:
+                    for i in range(d, len(queries), devices):
+                        res = decoders[d].generate(mode, prompts[i], cfg)
+                        with lock:
+                            records.append(Record(queries[i].qid, queries[i].kind, mode, d, res,
+                                                  queries[i].reference))
+                            done[0] += 1
+                            if progress:
+                                progress(mode, done[0], len(queries))
+                except BaseException as exc:  # surfaced below, with the device named
+                    errors.append(RuntimeError(f"device {d}, mode {mode}: {type(exc).__name__}: {exc}"))
+
+            t0 = time.perf_counter()
+            threads = [threading.Thread(target=work, args=(d,), daemon=True) for d in range(devices)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            wall[mode] = time.perf_counter() - t0
+            if errors:
+                raise errors[0]
+    finally:
+        for link in links:
+            link.close()
+    return records, wall
+
+
+def agreement(a: list[int], b: list[int]) -> float:
+    """Position-wise next-token agreement of two generations: equal positions over the
+    longer length (1.0 = identical, 0.0 when both are empty is defined as 1.0)."""
+    if not a and not b:
+        return 1.0
+    same = sum(x == y for x, y in zip(a, b))
+    return same / max(len(a), len(b))
+
+
+def summarize(records: list[Record], wall: dict[str, float], tok, rtt_ms: float, devices: int,
+              greedy: bool) -> list[dict]:
+    """One row per mode (fields :data:`ROW_FIELDS`).
+
+    Per-token figures are totals over all generations divided by generated tokens;
+    ``tokens_per_s`` is the mean of the sessions' own rates, ``aggregate_tokens_per_s`` all
+    tokens over the mode's wall time. Agreement and identity compare each generation with
+    the ``cloud`` mode's on the same prompt (``None`` without a ``cloud`` run;
+    ``identical_to_target`` only for greedy decoding)."""
+    by_mode: dict[str, list[Record]] = {}
+    for r in records:
+        by_mode.setdefault(r.mode, []).append(r)
+    target = {r.qid: r.result.tokens for r in by_mode.get("cloud", [])}
+    rows = []
+    for mode, recs in by_mode.items():
+        res = [r.result for r in recs]
+        toks = sum(len(x.tokens) for x in res)
+        n = max(toks, 1)
+        drafted = sum(x.drafted for x in res)
+        agree = [agreement(r.result.tokens, target[r.qid]) for r in recs if r.qid in target]
+        gsm = [r for r in recs if r.kind == "gsm8k"]
+        dolly = [r for r in recs if r.kind == "dolly"]
+        weights = [x.edge_weight_mean for x in res if x.edge_weight_mean is not None]
+        rows.append({
+            "mode": mode, "rtt_ms": rtt_ms, "devices": devices,
+            "tokens_per_s": float(np.mean([x.tokens_per_s for x in res])),
+            "aggregate_tokens_per_s": toks / wall[mode] if wall.get(mode) else None,
+            "round_trips_per_token": sum(x.round_trips for x in res) / n,
+            "bytes_down_per_token": sum(x.bytes_down for x in res) / n,
+            "bytes_up_per_token": sum(x.bytes_up for x in res) / n,
+            "acceptance_rate": (sum(x.accepted for x in res) / drafted) if drafted else None,
+            "identical_to_target": (all(a == 1.0 for a in agree) if agree and greedy else None),
+            "agreement_with_target": float(np.mean(agree)) if agree else None,
+            "ms_per_token": 1000 * sum(x.decode_s for x in res) / n,
+            "gsm8k_exact_match": (float(np.mean([gsm8k_final(tok.decode(r.result.tokens, skip_special_tokens=True))
+                                                 == r.reference for r in gsm])) if gsm else None),
+            "rouge_l": (float(np.mean([rouge_l(r.result.text, r.reference or "") for r in dolly]))
+                        if dolly else None),
+            "new_tokens": toks,
+            "deadline_misses": sum(x.deadline_misses for x in res),
+            "fallbacks": sum(x.fallback is not None for x in res),
+            "edge_weight_mean": float(np.mean(weights)) if weights else None,
+            "prompts": len(recs),
+        })
+    order = {m: i for i, m in enumerate(MODES)}
+    return sorted(rows, key=lambda r: order.get(r["mode"], 99))
+
+
+def table(rows: list[dict]) -> str:
+    """A fixed-width text table of the main columns (for logs and the bench)."""
+    cols = (("mode", "mode", 16, None), ("dev", "devices", 3, "d"), ("tok/s", "tokens_per_s", 7, ".2f"),
+            ("ms/tok", "ms_per_token", 7, ".0f"), ("RT/tok", "round_trips_per_token", 6, ".2f"),
+            ("B-up/t", "bytes_up_per_token", 7, ".1f"), ("B-dn/t", "bytes_down_per_token", 7, ".1f"),
+            ("accept", "acceptance_rate", 6, ".2f"), ("agree", "agreement_with_target", 6, ".2f"),
+            ("gsm8k", "gsm8k_exact_match", 6, ".2f"), ("rougeL", "rouge_l", 6, ".3f"))
+    lines = [" ".join(f"{h:<{w}}" if f is None else f"{h:>{w}}" for h, _, w, f in cols)]
+    for r in rows:
+        cells = []
+        for _, key, w, f in cols:
+            v = r.get(key)
+            cells.append(f"{v:<{w}}" if f is None else " " * w if v is None else f"{v:>{w}{f}}")
+        lines.append(" ".join(cells))
+    return "\n".join(lines)

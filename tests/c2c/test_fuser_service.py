@@ -1,0 +1,192 @@
+"""The server's fuser service (edgefuse.c2c.hub): train / cache / carry over / retrain, failures,
+the pair list and the several-sharers gate, on the tiny config (tiny random-weight models).
+
+Needs the Dolly mirror (the public split trains the fusers); skipped without it.
+"""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from edgefuse.config import ConfigError, compose, lora_targets
+from edgefuse.lora import attach_lora, get_adapter_state
+from edgefuse.models import get_spec, tiny_model
+from edgefuse.c2c import hub as service_mod
+from edgefuse.c2c.fuser import kv_spec_from_config
+from edgefuse.c2c.multi import MultiSharerGate
+from edgefuse.c2c.registry import FuserRegistry, adapter_change
+from edgefuse.c2c.hub import FuserService, Side, pair_list, train_multi_gate
+from tests.conftest import mirror_path
+
+LLAMA, QWEN, GEMMA = "tiny-llama", "tiny-qwen2", "tiny-gemma3"
+RANK = 4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_thread):
+    """Every test of this module on one torch thread (see conftest)."""
+
+
+@pytest.fixture(scope="module")
+def cfg(tmp_path_factory):
+    mirror = mirror_path()
+    if mirror is None:
+        pytest.skip("no data mirror: set EDGEFUSE_DATA_MIRROR or place ../shared/data")
+    return compose("tiny", [f"data.mirror={mirror}", "c2c.train.threads=1", "c2c.fuser.bottleneck=8",
+                            f"paths.cache_dir={tmp_path_factory.mktemp('cache')}"])
+
+
+@pytest.fixture(scope="module")
+def public(cfg):
+    return service_mod.public_rows(cfg)
+
+
+def adapter(cfg, name, seed):
+    """A real LoRA state of the tiny model ``name`` with a random, non-zero lora_B."""
+    model, _ = tiny_model(get_spec(name).arch)
+    peft = attach_lora(model, rank=RANK, alpha=float(cfg.training.lora_alpha), dropout=0.0,
+                       target_modules=lora_targets(cfg, name), seed=int(cfg.seed))
+    state = get_adapter_state(peft)
+    rng = np.random.default_rng(seed)
+    for key in state:
+        if ".lora_B." in key:
+            state[key] = rng.normal(0.0, 0.05, state[key].shape).astype(np.float32)
+    assert any(np.abs(v).max() > 0 for k, v in state.items() if ".lora_B." in k)
+    return state
+
+
+def side(cfg, name, state, pid=0):
+    return Side(name, pid, state, RANK, float(cfg.training.lora_alpha))
+
+
+def scaled(state, factor):
+    return {k: (v * factor if ".lora_B." in k else v.copy()) for k, v in state.items()}
+
+
+def no_training(monkeypatch):
+    def boom(*a, **kw):
+        raise AssertionError("train_fuser must not run")
+
+    monkeypatch.setattr(service_mod, "train_fuser", boom)
+
+
+def by_pair(rows):
+    return {(r["sharer"], r["receiver"]): r for r in rows}
+
+
+def test_update_trains_caches_carries_over_and_retrains(cfg, tmp_path, monkeypatch):
+    pairs = [(QWEN, LLAMA), (LLAMA, QWEN)]
+    sides = {LLAMA: side(cfg, LLAMA, adapter(cfg, LLAMA, 1)), QWEN: side(cfg, QWEN, adapter(cfg, QWEN, 2), 2)}
+    reg = FuserRegistry(tmp_path / "reg")
+    svc = FuserService(cfg, reg)
+
+    # 1. first update: both pairs trained and registered
+    rows = by_pair(svc.update(sides, pairs, round_idx=1))
+    first = {}
+    for s, r in pairs:
+        row = rows[(s, r)]
+        version = svc.version(sides[s], sides[r])
+        assert row["action"] == "trained", row.get("reason")
+        assert row["version"] == version.id and row["round"] == 1
+        assert reg.latest(s, r) == version
+        assert row["params"] > 0 and row["bytes"] == 4 * row["params"]
+        assert row["train_steps"] == int(cfg.c2c.train.steps) and row["train_seconds"] > 0
+        assert math.isfinite(row["val_loss"]) and math.isfinite(row["alone_val_loss"])
+        state, _, card = reg.load_state(version)
+        assert card.params == row["params"] and card.receiver_adapter_hash == sides[r].version().adapter_hash
+        first[(s, r)] = (version, state)
+    assert not (reg.root / ".checkpoints" / f"{QWEN}__to__{LLAMA}").exists() or \
+        not any((reg.root / ".checkpoints" / f"{QWEN}__to__{LLAMA}").iterdir())
+
+    # 2. same sides again: cached, nothing trained
+    no_training(monkeypatch)
+    rows = by_pair(svc.update(sides, pairs, round_idx=2))
+    for p in pairs:
+        assert rows[p]["action"] == "cached", rows[p].get("reason")
+        assert rows[p]["train_seconds"] == 0.0 and rows[p]["version"] == first[p][0].id
+        assert rows[p]["params"] == reg.load_state(first[p][0])[2].params
+
+    # 3. a fresh service on the same registry: cached too
+    svc2 = FuserService(cfg, FuserRegistry(tmp_path / "reg"))
+    rows = by_pair(svc2.update(sides, pairs, round_idx=3))
+    assert {p: rows[p]["action"] for p in pairs} == {p: "cached" for p in pairs}
+
+    # 4. a tiny adapter change on the llama side: carried over, same weights, new version
+    small = scaled(sides[LLAMA].state, 1.01)
+    change = adapter_change(sides[LLAMA].state, small)
+    assert change == pytest.approx(0.01, rel=1e-3) and change < float(cfg.c2c.train.retrain_threshold)
+    sides_small = {**sides, LLAMA: side(cfg, LLAMA, small)}
+    rows = by_pair(svc2.update(sides_small, pairs, round_idx=4))
+    for s, r in pairs:
+        row, (old_version, old_state) = rows[(s, r)], first[(s, r)]
+        assert row["action"] == "carried_over", row.get("reason")
+        new_version = svc2.version(sides_small[s], sides_small[r])
+        assert row["version"] == new_version.id != old_version.id
+        assert reg.latest(s, r) == new_version
+        state, _, card = reg.load_state(new_version)
+        assert f"carried over from {old_version.id}" in card.data
+        assert card.train_steps == int(cfg.c2c.train.steps)
+        assert state.keys() == old_state.keys()
+        assert all(torch.equal(state[k], old_state[k]) for k in state)
+        assert row["train_seconds"] == 0.0
+
+    # 5. a big change: trained again (warm start), new version again
+    monkeypatch.undo()
+    big = scaled(sides[LLAMA].state, 3.0)
+    assert adapter_change(small, big) > float(cfg.c2c.train.retrain_threshold)
+    sides_big = {**sides, LLAMA: side(cfg, LLAMA, big)}
+    rows = by_pair(svc2.update(sides_big, pairs, round_idx=5))
+    for s, r in pairs:
+        version = svc2.version(sides_big[s], sides_big[r])
+        assert rows[(s, r)]["action"] == "trained", rows[(s, r)].get("reason")
+        assert rows[(s, r)]["version"] == version.id and reg.latest(s, r) == version
+    assert svc2.rows == list(rows.values())
+
+
+def test_failed_pair_does_not_stop_the_others(cfg, public, tmp_path):
+    sides = {LLAMA: side(cfg, LLAMA, adapter(cfg, LLAMA, 1)), QWEN: side(cfg, QWEN, None, 2),
+             "no-such-model": Side("no-such-model", 3, None, RANK, 16.0)}
+    reg = FuserRegistry(tmp_path)
+    rows = FuserService(cfg, reg, rows=public).update(sides, [("no-such-model", LLAMA), (QWEN, LLAMA)], 1)
+    assert [r["action"] for r in rows] == ["failed", "trained"]
+    assert "ModelSpecError" in rows[0]["reason"] and "no-such-model" in rows[0]["reason"]
+    assert rows[0]["params"] is None and rows[0]["train_steps"] == 0
+    assert reg.latest("no-such-model", LLAMA) is None
+    assert reg.latest(QWEN, LLAMA).id == rows[1]["version"] and rows[1]["params"] > 0
+
+
+def test_pair_list():
+    models = ["a", "b", "c"]
+    every = pair_list("all", models)
+    assert len(every) == 6 and len(set(every)) == 6
+    assert set(every) == {(s, r) for s in models for r in models if s != r}
+    assert pair_list(None, models) == every
+    assert pair_list(["a->b"], models) == [("a", "b")]
+    assert pair_list([" c -> a ", "a->c"], models) == [("c", "a"), ("a", "c")]
+    for bad, msg in ((["a-b"], "must look like"), (["a->b->c"], "must look like"), (["->b"], "must look like"),
+                     (["a->z"], "'z' is not a model"), (["a->a"], "with itself")):
+        with pytest.raises(ConfigError, match=msg):
+            pair_list(bad, models)
+
+
+def test_train_multi_gate(cfg, public, tmp_path):
+    sides = {LLAMA: side(cfg, LLAMA, adapter(cfg, LLAMA, 1)), QWEN: side(cfg, QWEN, adapter(cfg, QWEN, 2), 2),
+             GEMMA: side(cfg, GEMMA, adapter(cfg, GEMMA, 3), 3)}
+    svc = FuserService(cfg, FuserRegistry(tmp_path), rows=public)
+    rows = svc.update(sides, [(QWEN, LLAMA), (GEMMA, LLAMA)], 1)
+    assert [r["action"] for r in rows] == ["trained", "trained"], [r.get("reason") for r in rows]
+    state, meta = train_multi_gate(cfg, svc, sides, LLAMA, [QWEN, GEMMA])
+    model, _ = tiny_model("llama")
+    ref = MultiSharerGate(kv_spec_from_config(model.config), 2)
+    assert {k: tuple(v.shape) for k, v in state.items()} == \
+        {k: tuple(v.shape) for k, v in ref.state_dict().items()}
+    assert all(v.dtype == np.float32 for v in state.values())
+    assert meta["params"] == ref.num_parameters() == sum(v.size for v in state.values()) > 0
+    assert meta["steps"] == int(cfg.c2c.train.gate_steps) == 2
+    assert meta["kwargs"] == {"drop_threshold": ref.drop_threshold}
+    assert math.isfinite(meta["loss_before"]) and math.isfinite(meta["loss_after"])
+    assert meta["loss_before"] > 0 and meta["loss_after"] > 0
+    # trained: the gate moved away from its zero-weight init
+    assert any(np.abs(v).max() > 0 for k, v in state.items() if k.endswith("weight"))

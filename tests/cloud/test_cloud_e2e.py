@@ -1,0 +1,146 @@
+"""Device decoders against the real service over real sockets (tiny random qwen2 models)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from edgefuse.cloud.decoding.decoder import MODES, DecodeConfig, Decoder, EdgeLM
+from edgefuse.cloud.devices import run_devices, summarize
+from edgefuse.cloud.fusion import FusionConfig
+from edgefuse.cloud.link import CloudLink
+from edgefuse.cloud.service import CloudService
+from edgefuse.cloud.target import Target
+from edgefuse.models import tiny_model
+from edgefuse.transport.wan import WanProfile
+from edgefuse.eval.queries import Query
+
+
+@pytest.fixture
+def service():
+    target, tok = tiny_model("qwen2", seed=1)
+    svc = CloudService(Target(target, tok, "tiny-target"), "127.0.0.1", 0, max_batch=8, max_wait_ms=20)
+    svc.start_in_thread()
+    yield svc, target, tok
+    svc.stop()
+
+
+def _edge(tok):
+    model, _ = tiny_model("qwen2", seed=0)
+    edge = EdgeLM(model, tok)
+    edge.eos_ids = set()  # random weights: always generate the full length
+    return edge
+
+
+def _greedy(model, prompt, n):
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_two_devices_in_every_mode_through_the_service(service):
+    svc, target, tok = service
+    model, _ = tiny_model("qwen2", seed=0)
+    queries = [Query(qid=f"dolly/{i}", kind="dolly", instruction=f"tell me about item {i}", context="",
+                     choices=None, answer=None, reference="an item", category="c") for i in range(4)]
+    recs, wall = run_devices(model, tok, queries, list(MODES), DecodeConfig(max_new_tokens=6),
+                             "127.0.0.1", svc.port, WanProfile(5.0, 100.0), 2, svc.target.fingerprint,
+                             max_prompt_tokens=64)
+    rows = {r["mode"]: r for r in summarize(recs, wall, tok, 5.0, 2, greedy=True)}
+    assert set(rows) == set(MODES) and len(recs) == 4 * len(MODES)
+    assert rows["spec_sync"]["identical_to_target"] and rows["spec_async"]["identical_to_target"]
+    assert svc.stats()["max_batch_size"] >= 2
+    deadline = time.monotonic() + 5  # the worker frees closed sessions right after the last reply
+    while svc.stats()["sessions_open"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert svc.stats()["sessions_open"] == 0
+    # every cloud-mode output is the target's own greedy continuation
+    from edgefuse.cloud.devices import prompt_ids
+    for r in recs:
+        if r.mode == "cloud":
+            q = next(q for q in queries if q.qid == r.qid)
+            assert r.result.tokens == _greedy(target, prompt_ids(q, tok, 64), 6)
+
+
+@pytest.mark.parametrize("mode", ["spec_sync", "spec_async", "fusion_adaptive"])
+def test_service_stopped_mid_generation_falls_back_to_edge(service, mode):
+    svc, _, tok = service
+    edge = _edge(tok)
+    link = CloudLink.connect("127.0.0.1", svc.port, wan=WanProfile(20.0, 100.0))
+    def stop_after_round_trips():  # OPEN and one decode round trip, however slow the machine
+        deadline = time.monotonic() + 120
+        while link.round_trips < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        svc.stop()
+
+    stopper = threading.Thread(target=stop_after_round_trips)
+    stopper.start()
+    res = Decoder(edge, link, svc.target.fingerprint).generate(
+        mode, [5, 6, 7, 8], DecodeConfig(max_new_tokens=200, gamma=2, timeout_s=5))
+    stopper.join()
+    link.close()
+    assert len(res.tokens) == 200
+    assert res.fallback is not None and "edge only" in res.fallback
+    assert res.round_trips > 0  # it did use the cloud before
+
+
+def test_late_cloud_answers_meet_the_deadline_path(service):
+    """RTT 200 ms, deadline 20 ms: every token is the edge's own; the session stays usable."""
+    svc, _, tok = service
+    edge = _edge(tok)
+    alone = Decoder(edge).generate("edge", [5, 6, 7], DecodeConfig(max_new_tokens=5))
+    link = CloudLink.connect("127.0.0.1", svc.port, wan=WanProfile(200.0, 100.0))
+    dec = Decoder(edge, link, svc.target.fingerprint)
+    cfg = DecodeConfig(max_new_tokens=5, deadline_ms=20, fusion=FusionConfig(weight=0.0))
+    res = dec.generate("fusion_static", [5, 6, 7], cfg)
+    assert res.deadline_misses == 5 and res.tokens == alone.tokens and res.fallback is None
+    # the same link opens the next session although five late answers are still in flight
+    again = dec.generate("cloud", [5, 6, 7], DecodeConfig(max_new_tokens=3))
+    assert again.fallback is None and again.round_trips == 3
+    link.close()
+
+
+@pytest.mark.integration
+def test_real_smollm2_speculative_is_lossless_and_fusion_runs():
+    """Real weights (SmolLM2-135M, the model CI already fetches): the cloud serves the base
+    model, the device drafts with a LoRA-perturbed copy (so drafts are sometimes rejected);
+    greedy speculative output equals the base model's own greedy continuation."""
+    from edgefuse.lora import attach_lora
+    from edgefuse.models import load_model
+
+    torch.manual_seed(0)
+    target, tok = load_model("smollm2-135m")
+    svc = CloudService(Target(target, tok, "smollm2-135m"), "127.0.0.1", 0)
+    svc.start_in_thread()
+    try:
+        base, _ = load_model("smollm2-135m")
+        draft = attach_lora(base, rank=8, alpha=16, dropout=0.0, target_modules=["q_proj", "v_proj"], seed=0)
+        with torch.no_grad():  # a visible but small perturbation of the draft
+            for name, p in draft.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.02)
+        prompt = tok.apply_chat_template([{"role": "user", "content": "Name three primary colours."}],
+                                         add_generation_prompt=True, tokenize=True)
+        prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+        edge = EdgeLM(draft, tok)
+        link = CloudLink.connect("127.0.0.1", svc.port)
+        dec = Decoder(edge, link, svc.target.fingerprint)
+        cfg = DecodeConfig(max_new_tokens=16)
+        want = target.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
+                               attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0, len(prompt):].tolist()
+        cut = next((i for i, t in enumerate(want) if t in edge.eos_ids), len(want))
+        want = want[:cut]  # the decoder stops at the end of turn and does not return it
+        assert len(want) >= 4
+        for mode in ("spec_sync", "spec_async"):
+            res = dec.generate(mode, prompt, cfg)
+            assert res.tokens == want and res.fallback is None
+            assert 0 < res.acceptance_rate <= 1 and res.round_trips < len(res.tokens)
+        fused = dec.generate("fusion_adaptive", prompt, cfg)
+        assert fused.fallback is None and fused.round_trips == len(fused.tokens) + (len(fused.tokens) < 16)
+        assert 0 < fused.edge_weight_mean < 1
+        link.close()
+    finally:
+        svc.stop()

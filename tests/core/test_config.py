@@ -1,0 +1,78 @@
+import re
+
+import pytest
+
+from edgefuse.app.phases import compose as compose_checked  # core compose + each phase's checks
+from edgefuse.config import ConfigError, client_entry, compose, from_json, to_json
+
+
+def test_default_federation_is_heterogeneous():
+    cfg = compose("default")
+    models = [c.model for c in cfg.federation.clients]
+    assert len(models) >= 4
+    assert {"smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"} <= set(models)
+    smol_ranks = {c.lora_rank for c in cfg.federation.clients if c.model == "smollm2-135m"}
+    assert len(smol_ranks) == 2
+
+
+def test_overrides_and_experiments_compose():
+    cfg = compose("smoke", "training.lr=1e-4 federation.num_rounds=5")
+    assert cfg.experiment.name == "smoke"
+    assert cfg.training.lr == pytest.approx(1e-4)
+    assert cfg.federation.num_rounds == 5
+    assert cfg.training.steps_per_round == 4  # from experiment/smoke.yaml
+    # an explicit experiment override wins over the positional one
+    assert compose("default", "experiment=tiny").experiment.name == "tiny"
+
+
+def test_quoted_override_values_survive():
+    cfg = compose("tiny", "data.mirror='/tmp/a b'")
+    assert cfg.data.mirror == "/tmp/a b"
+
+
+@pytest.mark.parametrize("overrides", ["experiment=nope", "training.no_such_key=1",
+                                       "federation=nope", "training.lr=="])
+def test_bad_overrides_raise_config_error(overrides):
+    with pytest.raises(ConfigError):
+        compose("default", overrides)
+
+
+def test_invalid_values_are_rejected():
+    with pytest.raises(ConfigError, match="lora_rank"):
+        compose("tiny", "federation.clients.0.lora_rank=0")
+    with pytest.raises(ConfigError, match="steps_per_round"):
+        compose("tiny", "training.steps_per_round=0")
+    with pytest.raises(ConfigError, match="num_rounds must be an integer"):
+        compose("tiny", "federation.num_rounds=abc")
+    with pytest.raises(ConfigError, match="training.lr"):
+        compose("tiny", "training.lr=-1")
+
+
+def test_json_round_trip_and_client_entry():
+    cfg = compose("tiny")
+    back = from_json(to_json(cfg))
+    assert back == cfg
+    assert client_entry(back, 2).model == "tiny-qwen2"
+    with pytest.raises(ConfigError, match="partition-id 9"):
+        client_entry(back, 9)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("c2c.eval.modes=[alone,bogus]", "unknown modes ['bogus']"),
+    ("c2c.eval.wan=moon", "unknown WAN preset 'moon'"),
+    ('c2c.pairs=["tiny-llama->nope"]', "'nope' is not a model of this federation"),
+    ('c2c.pairs=["tiny-llama->tiny-llama"]', "pairs a model with itself"),
+    ("c2c.train.steps=0", "c2c.train.steps must be an integer >= 1"),
+])
+def test_bad_c2c_settings_fail_at_compose_time(override, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        compose_checked("tiny", [override])
+
+
+@pytest.mark.parametrize("override", [
+    "privacy.max_update_norm=abc", "privacy.cloud_auth.flag_cache=maybe", "privacy.cloud_auth.l_cache=2.5",
+    "privacy.redact.spacy_model=not_a_spacy_model", "privacy.redact.score_threshold=7",
+    "privacy.rephrase.max_new_tokens=0", "privacy.probe.ridge=-1", "privacy.probe.task_n=abc"])
+def test_bad_privacy_settings_fail_at_compose_time(override):
+    with pytest.raises(ConfigError, match="privacy"):
+        compose_checked("tiny", override)
