@@ -624,6 +624,16 @@ class RunRecorder:
                 return
         rounds.append(rnd)
 
+    def update(self, sections: Mapping[str, Any]) -> None:
+        """Set top-level results sections from a phase's output, e.g.
+        ``{"decoding": rows, "decoding_records": records, "summary": {...}}``: every key
+        replaces that section (deep-copied); ``summary`` is merged into the summary."""
+        for key, value in sections.items():
+            if key == "summary":
+                self.set_summary(value)
+            else:
+                self.results[key] = copy.deepcopy(value)
+
     def set_fusers(self, rows: list[Mapping]) -> None:
         """Record the fuser registry rows of the latest fuser update (schema above)."""
         self.results["fusers"] = copy.deepcopy(list(rows))
