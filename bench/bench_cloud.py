@@ -163,7 +163,7 @@ def check_targets(rows: list[dict], rtts: list[float], devices: list[int], scale
 
 
 def plot(result: dict, path: Path) -> Path:
-    from edgefuse.results.recorder import _colour, _new_figure, _save_png
+    from edgefuse.results.plotting import colour as _colour, new_figure as _new_figure, save_png as _save_png
 
     rows = result["modes"]
     rtts = sorted({r["rtt_ms"] for r in rows if r.get("sweep") is None})

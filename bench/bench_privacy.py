@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from edgefuse.io import atomic_write_json
-from edgefuse.results.recorder import _new_figure, _save_png, plot_privacy  # noqa: E402
+from edgefuse.results.plotting import new_figure as _new_figure, save_png as _save_png  # noqa: E402
+from edgefuse.results.privacy import plot_privacy  # noqa: E402
 
 
 def default_mirror() -> str | None:

@@ -1,5 +1,5 @@
 """C2C results: per-query scoring (edgefuse.app.phases.c2c._score) and the c2c / fusers outputs of
-edgefuse.results.RunRecorder (c2c.csv, c2c.png, results.json)."""
+edgefuse.results.c2c section through RunRecorder (c2c.csv, c2c.png, results.json)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from edgefuse import results as R
+from edgefuse.results import c2c as c2c_section
 from edgefuse.eval.queries import Query, rouge_l
 from edgefuse.app.phases.c2c import _score, load_queries, representatives
 from edgefuse.app.strategy import NodeInfo
@@ -96,17 +97,16 @@ FUSER_ROWS = [
 def test_recorder_writes_c2c_csv_png_and_json(tmp_path):
     rec = R.RunRecorder(tmp_path / "run", {"seed": 0})
     rec.add_round({"round": 1})
-    rec.set_fusers(FUSER_ROWS)
-    rec.set_c2c(c2c_rows())
+    rec.update({"fusers": FUSER_ROWS, "c2c": c2c_rows()})
     paths = rec.save()
     out = tmp_path / "run"
-    assert paths["c2c_csv"] == out / R.C2C_CSV_NAME and paths["c2c_png"] == out / R.C2C_PNG_NAME
+    assert paths["c2c_csv"] == out / c2c_section.C2C_CSV_NAME and paths["c2c_png"] == out / c2c_section.C2C_PNG_NAME
 
     with (out / "c2c.csv").open(newline="") as f:
         rows = list(csv.reader(f))
-    assert tuple(rows[0]) == R.C2C_COLUMNS
+    assert tuple(rows[0]) == c2c_section.C2C_COLUMNS
     assert len(rows) == 4
-    by = [dict(zip(R.C2C_COLUMNS, r)) for r in rows[1:]]
+    by = [dict(zip(c2c_section.C2C_COLUMNS, r)) for r in rows[1:]]
     assert by[0]["sharers"] == "" and by[0]["mode"] == "alone" and float(by[0]["mmlu_acc"]) == 0.5
     assert by[1]["sharers"] == "tiny-qwen2+tiny-gemma3" and by[1]["mode"] == "multi"
     assert float(by[1]["latency_ms"]) == 80.0 and float(by[1]["bytes_sent"]) == 5120.0
@@ -121,7 +121,7 @@ def test_recorder_writes_c2c_csv_png_and_json(tmp_path):
     assert data["fusers"] == FUSER_ROWS
     # the recorder keeps copies: changing the caller's rows later changes nothing
     rows_in = c2c_rows()
-    rec.set_c2c(rows_in)
+    rec.update({"c2c": rows_in})
     rows_in[0]["mode"] = "changed"
     assert rec.results["c2c"][0]["mode"] == "alone"
 
@@ -129,9 +129,10 @@ def test_recorder_writes_c2c_csv_png_and_json(tmp_path):
 def test_recorder_without_c2c_writes_no_c2c_files(tmp_path):
     rec = R.RunRecorder(tmp_path, {"seed": 0})
     rec.add_round({"round": 1})
+    rec.update({"fusers": FUSER_ROWS})  # fuser rows alone: the section has no c2c rows to write
     paths = rec.finish()
     assert "c2c_csv" not in paths and "c2c_png" not in paths
-    assert not (tmp_path / R.C2C_CSV_NAME).exists() and not (tmp_path / R.C2C_PNG_NAME).exists()
+    assert not (tmp_path / c2c_section.C2C_CSV_NAME).exists() and not (tmp_path / c2c_section.C2C_PNG_NAME).exists()
     assert "c2c" not in json.loads((tmp_path / R.JSON_NAME).read_text())
 
 

@@ -1,4 +1,5 @@
-"""Tests for edgefuse.results: atomic writes, JSON/CSV outputs, plots, console table."""
+"""Tests for edgefuse.results: the recorder (JSON, status, loading) and the training section
+(results.csv, eval_loss.png, bytes.png, the per-client console table); atomic writes."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import pytest
 from rich.console import Console
 
 from edgefuse import results as R
+from edgefuse.io import atomic_write_json, atomic_write_text, to_jsonable
+from edgefuse.results import training
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 MODELS = {0: ("smollm2-135m", 8), 1: ("smollm2-135m", 8), 2: ("qwen2.5-0.5b", 16)}
@@ -78,9 +81,9 @@ def test_json_round_trips_with_schema(recorder: R.RunRecorder):
     rnd = data["rounds"][0]
     assert set(rnd) == {"round", "seconds", "clients", "groups"}
     assert set(rnd["seconds"]) == {"train", "evaluate", "aggregate", "total"}
-    assert set(rnd["clients"][0]) == set(R.CSV_COLUMNS) - {"round"}
+    assert set(rnd["clients"][0]) == set(training.CSV_COLUMNS) - {"round"}
     assert set(rnd["groups"][0]) == {"model", "clients", "method", "truncation_error", "adapter_dir"}
-    assert data["rounds"] == R.to_jsonable(recorder.results["rounds"])
+    assert data["rounds"] == to_jsonable(recorder.results["rounds"])
 
 
 def test_nan_and_inf_become_null(recorder: R.RunRecorder):
@@ -98,9 +101,9 @@ def test_csv_rows_header_and_values(recorder: R.RunRecorder):
     path = recorder.save()["csv"]
     with path.open(newline="") as f:
         rows = list(csv.reader(f))
-    assert tuple(rows[0]) == R.CSV_COLUMNS
+    assert tuple(rows[0]) == training.CSV_COLUMNS
     assert len(rows) - 1 == 2 * 3  # rounds x clients
-    by_key = {(r[0], r[1]): dict(zip(R.CSV_COLUMNS, r)) for r in rows[1:]}
+    by_key = {(r[0], r[1]): dict(zip(training.CSV_COLUMNS, r)) for r in rows[1:]}
     # Round 2, partition 2: eval loss = base 5.0 - 0.25*2 = 4.5; NaN train loss is empty.
     row = by_key[("2", "2")]
     assert row["model"] == "qwen2.5-0.5b" and row["lora_rank"] == "16"
@@ -120,13 +123,13 @@ def test_finish_writes_all_outputs_and_pngs(recorder: R.RunRecorder):
     assert R.load_results(recorder.out_dir)["status"] == "completed"
     # Only the four outputs, no temp files left behind.
     assert sorted(p.name for p in recorder.out_dir.iterdir()) == sorted(
-        [R.JSON_NAME, R.CSV_NAME, R.EVAL_PNG_NAME, R.BYTES_PNG_NAME]
+        [R.JSON_NAME, training.CSV_NAME, training.EVAL_PNG_NAME, training.BYTES_PNG_NAME]
     )
 
 
 def test_plots_handle_empty_results(tmp_path: Path):
     empty = {"config": {}, "rounds": [], "summary": {}, "status": "running", "error": None}
-    for fn in (R.plot_eval_loss, R.plot_bytes):
+    for fn in (training.plot_eval_loss, training.plot_bytes):
         p = fn(empty, tmp_path / f"{fn.__name__}.png")
         assert p.read_bytes().startswith(PNG_MAGIC)
 
@@ -138,19 +141,19 @@ def test_finish_rejects_unknown_status(recorder: R.RunRecorder):
 
 def test_atomic_write_keeps_old_file_on_serialisation_error(tmp_path: Path):
     path = tmp_path / "results.json"
-    R.atomic_write_json(path, {"config": {}, "rounds": []})
+    atomic_write_json(path, {"config": {}, "rounds": []})
     before = path.read_bytes()
     with pytest.raises(TypeError):
-        R.atomic_write_json(path, {"config": {}, "rounds": [object()]})
+        atomic_write_json(path, {"config": {}, "rounds": [object()]})
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["results.json"]
 
 
 def test_atomic_write_text_cleans_up_on_write_error(tmp_path: Path):
     path = tmp_path / "x.txt"
-    R.atomic_write_text(path, "old")
+    atomic_write_text(path, "old")
     with pytest.raises(UnicodeEncodeError):
-        R.atomic_write_text(path, "\udcff", encoding="utf-8")  # lone surrogate
+        atomic_write_text(path, "\udcff", encoding="utf-8")  # lone surrogate
     assert path.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["x.txt"]
 
@@ -164,7 +167,7 @@ def test_add_round_replaces_same_round(tmp_path: Path):
 
 
 def test_console_table_rows_and_delta(recorder: R.RunRecorder):
-    table = R.console_table(recorder.results)
+    table = training.console_table(recorder.results)
     assert table.row_count == 3
     console = Console(record=True, width=200)
     R.print_summary(recorder.results, console=console)
@@ -206,7 +209,7 @@ def test_load_results_rejects_bad_files(tmp_path: Path):
 def test_sample_plot(recorder: R.RunRecorder):
     # A sample for eyeballing the layout; harmless if /tmp is not writable.
     try:
-        R.plot_eval_loss(recorder.results, "/tmp/edgefuse_sample_eval.png")
-        R.plot_bytes(recorder.results, "/tmp/edgefuse_sample_bytes.png")
+        training.plot_eval_loss(recorder.results, "/tmp/edgefuse_sample_eval.png")
+        training.plot_bytes(recorder.results, "/tmp/edgefuse_sample_bytes.png")
     except OSError:
         pytest.skip("/tmp not writable")
