@@ -1,6 +1,9 @@
 """edgefuse ClientApp: one edge SLM with its LoRA adapter and private data partition.
 
-Message types (the ServerApp sends the resolved config in every message):
+Message types (the ServerApp sends the resolved config in every message, and in every one
+but ``query.info`` the adapter group it is addressed to: ``adapter_model`` /
+``adapter_rank``, checked against this node's federation entry before anything is loaded or
+applied, :func:`edgefuse.app.messages.check_group`; a mismatch is an error reply):
 - ``query.info``: reply with this node's partition-id, model and LoRA rank (no model load).
 - ``train``: load the round's adapter for this client (none in round 1: a seeded init),
   train ``training.steps_per_round`` steps, reply with the packed adapter + metrics.
@@ -26,6 +29,8 @@ from flwr.clientapp import ClientApp
 
 from edgefuse.app.handlers import c2c, decoding as cloud_decode, privacy
 from edgefuse.app.handlers.local import LocalClient
+from edgefuse.app.messages import check_group
+from edgefuse.config import client_entry, from_json
 from edgefuse.privacy.audit import flower_mod, watch_canaries
 from edgefuse.lora import (MalformedUpdateError, adapter_nbytes, check_received_adapter,
                            set_adapter_state, unpack_adapter)
@@ -37,11 +42,17 @@ app = ClientApp(mods=[flower_mod])
 
 
 def _client(msg: Message, context: Context) -> LocalClient:
-    client = LocalClient.for_message(
-        cfg_json=str(msg.content["config"]["cfg"]),
-        partition_id=int(context.node_config["partition-id"]),
-        num_partitions=int(context.node_config["num-partitions"]),
-    )
+    """This node's client for ``msg``, once the message's group is this node's.
+
+    Raises:
+        GroupMismatchError: the message names another adapter group (model, rank) than this
+            node's federation entry, or none; nothing is loaded or applied.
+    """
+    conf = msg.content["config"]
+    cfg, partition_id = from_json(str(conf["cfg"])), int(context.node_config["partition-id"])
+    entry = client_entry(cfg, partition_id)
+    check_group(conf, str(entry.model), int(entry.lora_rank), msg.metadata.message_type)
+    client = LocalClient.load(cfg, partition_id, int(context.node_config["num-partitions"]))
     watch_canaries(client.cfg, client.slot["tok"])
     return client
 

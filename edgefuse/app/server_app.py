@@ -1,9 +1,10 @@
-"""edgefuse ServerApp: R rounds of per-model federated LoRA, evaluation and outputs.
+"""edgefuse ServerApp: R rounds of per-model federated LoRA, then the phases; the outputs.
 
-The route from ``flwr run .`` to a result row: :func:`main` composes the config,
-:class:`~edgefuse.app.strategy.GroupedLoRA` builds the messages and aggregates the
-replies (math in :mod:`edgefuse.aggregation`), and :mod:`edgefuse.results` writes the
-output folder after every round.
+The route from ``flwr run .`` to a result row: :func:`main` composes the config, runs each
+round with :func:`run_round` (:class:`~edgefuse.app.strategy.GroupedLoRA` builds the
+messages and aggregates the replies, the math in :mod:`edgefuse.aggregation`), then runs
+each enabled phase of :data:`edgefuse.app.phases.PHASES` in order; :mod:`edgefuse.results`
+writes the output folder after every round and every phase.
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 from omegaconf import OmegaConf
 
-from edgefuse.app.phases import compose
+from edgefuse.app import phases
+from edgefuse.app.phases import PhaseContext
+from edgefuse.app.phases.privacy import AuditTally
+from edgefuse.app.strategy import GroupedLoRA
 from edgefuse.config import lora_targets
 from edgefuse.lora import save_peft_adapter
 from edgefuse.models import get_spec
 from edgefuse.results import RunRecorder, print_summary
-from edgefuse.app.phases import decoding, privacy
-from edgefuse.app.strategy import GroupedLoRA
 
 app = ServerApp()
 
@@ -67,77 +69,40 @@ def save_adapters(cfg, strategy: GroupedLoRA, group_rows: list[dict], out: Path,
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    """Compose the config, run the rounds, write the outputs."""
+    """Compose the config, run the rounds, then each enabled phase; write the outputs.
+
+    On any error the run is recorded as ``failed`` (with what it had so far) and the error
+    re-raised; the console summary is printed in every case."""
     rc = context.run_config
-    cfg = compose(str(rc.get("experiment", "default")), str(rc.get("overrides", "")))
-    out = output_dir(rc, cfg)
-    out.mkdir(parents=True, exist_ok=True)
-    log(INFO, "edgefuse: experiment %s, outputs in %s", cfg.experiment.name, out)
-    recorder = RunRecorder(out, OmegaConf.to_container(cfg, resolve=True))
-    recorder.save()
-    grid = privacy.AuditTally(grid)  # sums every reply's outbound-payload audit
-    strategy = GroupedLoRA(cfg)
-    fed = cfg.federation
-    timeout = float(fed.round_timeout_s)
+    cfg = phases.compose(str(rc.get("experiment", "default")), str(rc.get("overrides", "")))
+    ctx = setup(grid, cfg, output_dir(rc, cfg))
+    recorder, active = ctx.recorder, phases.active(cfg)
     t_run = time.perf_counter()
     try:
-        phase = _c2c_phase(cfg, grid, strategy, out, timeout)
-        cloud_on = bool(cfg.get("cloud") and cfg.cloud.enabled)
-        privacy_on = bool(cfg.get("privacy") and cfg.privacy.enabled)
-        if cloud_on:
-            decoding.check_pair(cfg)  # refuse a pair without a shared tokenizer before any round
-        node_ids = wait_for_nodes(grid, len(fed.clients), timeout)
-        for r in range(1, int(fed.num_rounds) + 1):
-            t0 = time.perf_counter()
-            errors = strategy.add_info(grid.send_and_receive(strategy.info_messages(node_ids), timeout=timeout))
-            for e in errors:
-                log(WARNING, "round %d: node info failed: %s", r, e)
-            msgs, sent = strategy.configure(r, "train")
-            log(INFO, "round %d/%d: training %d clients (%d steps each)", r, fed.num_rounds,
-                len(msgs), cfg.training.steps_per_round)
-            replies = list(grid.send_and_receive(msgs, timeout=timeout))
-            t_train = time.perf_counter() - t0
-            t1 = time.perf_counter()
-            rows, group_rows = strategy.aggregate_train(r, replies, sent)
-            t_agg = time.perf_counter() - t1
-            if cfg.outputs.save_adapters:
-                save_adapters(cfg, strategy, group_rows, out, r)
-            t2 = time.perf_counter()
-            msgs, sent = strategy.configure(r, "evaluate")
-            log(INFO, "round %d/%d: aggregated %s in %.2f s; evaluating", r, fed.num_rounds,
-                ", ".join(f"{g['model']} ({g['method']})" for g in group_rows), t_agg)
-            strategy.aggregate_evaluate(rows, grid.send_and_receive(msgs, timeout=timeout), sent)
-            t_eval = time.perf_counter() - t2
-            seconds = {"train": t_train, "aggregate": t_agg, "evaluate": t_eval}
-            record = {"round": r, "clients": rows, "groups": group_rows, "seconds": seconds}
+        for phase in active:
+            phase.start(ctx)
+        ctx.node_ids = wait_for_nodes(ctx.grid, len(cfg.federation.clients), ctx.timeout)
+        for r in range(1, ctx.last_round + 1):
+            ctx.round, t_round = r, time.perf_counter()
+            record = run_round(ctx, r)
+            for phase in active:
+                sections, seconds = timed(phase.after_round, ctx, r)
+                if sections:
+                    record["seconds"][phase.after_round_key or phase.name] = seconds
+                    recorder.update(sections)
+            record["seconds"]["total"] = time.perf_counter() - t_round
             recorder.add_round(record)
             recorder.save()
-            if phase is not None and (r == int(fed.num_rounds) or str(cfg.c2c.train.at) == "every_round"):
-                t3 = time.perf_counter()
-                recorder.set_fusers(phase.update_fusers(r))
-                seconds["fusers"] = time.perf_counter() - t3
-                recorder.add_round(record)
-                recorder.save()
-            if phase is not None and r == int(fed.num_rounds):
-                t4 = time.perf_counter()
-                recorder.set_c2c(phase.evaluate(r))
-                seconds["c2c_eval"] = time.perf_counter() - t4
-            if cloud_on and r == int(fed.num_rounds):
-                recorder.add_round(record)
-                recorder.save()
-                t5 = time.perf_counter()
-                recorder.set_decoding(decoding.run(cfg, grid, strategy, out, timeout, r))
-                seconds["decoding"] = time.perf_counter() - t5
-            if privacy_on and r == int(fed.num_rounds):
-                recorder.add_round(record)
-                recorder.save()
-                t6 = time.perf_counter()
-                recorder.set_privacy(privacy.run(cfg, grid, strategy, timeout, r, grid.totals))
-                seconds["privacy"] = time.perf_counter() - t6
-            seconds["total"] = time.perf_counter() - t0
+            _log_round(r, record["clients"])
+        phase_seconds: dict[str, float] = {}
+        for phase in active:  # the last round's record gets each phase's time
+            sections, phase_seconds[phase.name] = timed(phase.run, ctx)
+            record["seconds"][phase.seconds_key or phase.name] = phase_seconds[phase.name]
+            record["seconds"]["total"] = time.perf_counter() - t_round
+            recorder.update(sections)
+            recorder.set_summary({"phase_seconds": phase_seconds})
             recorder.add_round(record)
             recorder.save()
-            _log_round(r, rows)
         recorder.set_summary({"wall_seconds": time.perf_counter() - t_run,
                               "server_peak_rss_bytes": _peak_rss()})
         recorder.finish("completed")
@@ -145,19 +110,64 @@ def main(grid: Grid, context: Context) -> None:
         recorder.finish("failed", error=f"{type(e).__name__}: {e}")
         raise
     finally:
-        print_summary(recorder.results, out_dir=out)
+        print_summary(recorder.results, out_dir=ctx.out)
 
 
-def _c2c_phase(cfg, grid: Grid, strategy: GroupedLoRA, out: Path, timeout: float):
-    """The Cache-to-Cache phase of this run, or ``None`` when ``c2c.enabled`` is false."""
-    if not cfg.get("c2c") or not cfg.c2c.enabled:
-        return None
-    from edgefuse.c2c.registry import FuserRegistry
-    from edgefuse.c2c.hub import FuserService
-    from edgefuse.app.phases.c2c import C2CPhase
+def setup(grid: Grid, cfg, out: Path) -> PhaseContext:
+    """Create the output folder and its first results.json; the run's context (the grid
+    wrapped in the outbound-audit tally, a fresh strategy)."""
+    out.mkdir(parents=True, exist_ok=True)
+    log(INFO, "edgefuse: experiment %s, outputs in %s", cfg.experiment.name, out)
+    recorder = RunRecorder(out, OmegaConf.to_container(cfg, resolve=True))
+    recorder.save()
+    fed = cfg.federation
+    return PhaseContext(cfg=cfg, grid=AuditTally(grid), strategy=GroupedLoRA(cfg), out=out,
+                        timeout=float(fed.round_timeout_s), recorder=recorder,
+                        last_round=int(fed.num_rounds))
 
-    root = Path(cfg.c2c.registry_dir).expanduser() if cfg.c2c.registry_dir else out / "fusers"
-    return C2CPhase(cfg, grid, strategy, FuserService(cfg, FuserRegistry(root)), timeout)
+
+def run_round(ctx: PhaseContext, r: int) -> dict:
+    """One federated round: identify new nodes, train, aggregate per model group, save the
+    adapters (``outputs.save_adapters``), evaluate. Records and saves the round.
+
+    Returns the round's record (``round``, ``clients``, ``groups``, ``seconds``: ``train``,
+    ``aggregate``, ``evaluate``).
+
+    Raises:
+        NoClientSucceeded: no client returned a usable update.
+    """
+    cfg, grid, strategy, timeout = ctx.cfg, ctx.grid, ctx.strategy, ctx.timeout
+    n_rounds = ctx.last_round
+    t0 = time.perf_counter()
+    for e in strategy.add_info(grid.send_and_receive(strategy.info_messages(ctx.node_ids), timeout=timeout)):
+        log(WARNING, "round %d: node info failed: %s", r, e)
+    msgs, sent = strategy.configure(r, "train")
+    log(INFO, "round %d/%d: training %d clients (%d steps each)", r, n_rounds, len(msgs),
+        cfg.training.steps_per_round)
+    replies = list(grid.send_and_receive(msgs, timeout=timeout))
+    t_train = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    rows, group_rows = strategy.aggregate_train(r, replies, sent)
+    t_agg = time.perf_counter() - t1
+    if cfg.outputs.save_adapters:
+        save_adapters(cfg, strategy, group_rows, ctx.out, r)
+    t2 = time.perf_counter()
+    msgs, sent = strategy.configure(r, "evaluate")
+    log(INFO, "round %d/%d: aggregated %s in %.2f s; evaluating", r, n_rounds,
+        ", ".join(f"{g['model']} ({g['method']})" for g in group_rows), t_agg)
+    strategy.aggregate_evaluate(rows, grid.send_and_receive(msgs, timeout=timeout), sent)
+    seconds = {"train": t_train, "aggregate": t_agg, "evaluate": time.perf_counter() - t2}
+    record = {"round": r, "clients": rows, "groups": group_rows, "seconds": seconds}
+    ctx.recorder.add_round(record)
+    ctx.recorder.save()
+    return record
+
+
+def timed(fn, *args):
+    """``(fn(*args), wall seconds it took)``."""
+    t0 = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - t0
 
 
 def _log_round(r: int, rows: list[dict]) -> None:

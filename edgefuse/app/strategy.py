@@ -18,9 +18,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from edgefuse.aggregation import (ClientUpdate, GroupResult, MalformedUpdateError,
                                   aggregate_group, flexlora, module_shapes, validate_update)
+from edgefuse.app.messages import group_fields, last_line
 from edgefuse.config import to_json
 from edgefuse.lora import adapter_nbytes, pack_adapter, unpack_adapter
-
 
 
 class NoClientSucceeded(RuntimeError):
@@ -56,18 +56,18 @@ class GroupedLoRA:
         """Message content: the config, and the packed adapter when ``state`` is given;
         plus the adapter's payload bytes (arrays + index).
 
-        With ``node``, the adapter's group (``adapter_model``, ``adapter_rank``: the node's
-        model and rank) travels too, and the client refuses an adapter of another group."""
+        With ``node``, the message's group (``adapter_model``, ``adapter_rank``: the node's
+        model and rank, :func:`edgefuse.app.messages.group_fields`) travels too, adapter or
+        not: the client refuses a message, and an adapter, of another group."""
         config = {"cfg": self.cfg_json, "round": round_idx}
+        if node is not None:
+            config.update(group_fields(node))
         content = RecordDict()
         nbytes = 0
         if state is not None:
             arrays, index = pack_adapter(state)
             content["adapter"] = ArrayRecord({k: Array(v) for k, v in arrays.items()})
             config["adapter_index"] = index
-            if node is not None:
-                config["adapter_model"] = node.model
-                config["adapter_rank"] = int(node.lora_rank)
             nbytes = adapter_nbytes(arrays) + len(index.encode())
         content["config"] = ConfigRecord(config)
         return content, nbytes
@@ -217,10 +217,3 @@ class GroupedLoRA:
                        base_eval_loss=float(m["base_eval_loss"]),
                        base_eval_ppl=float(m["base_eval_ppl"]),
                        eval_seconds=float(m["seconds"]))
-
-
-
-def last_line(text: str) -> str:
-    """The last non-empty line of a (traceback) text: the exception and its message."""
-    lines = [ln.strip() for ln in str(text).splitlines() if ln.strip()]
-    return lines[-1] if lines else str(text)

@@ -256,6 +256,79 @@ def test_server_adapter_is_checked_before_use(cfg):
     assert_state_equal(get_adapter_state(client.slot["peft"]), good)
 
 
+GROUP_KINDS = ["train", "evaluate", "query.fusers", "query.share", "query.refine", "query.answer",
+               "query.decode", "query.privacy"]
+
+
+class ClientAppGrid:
+    """A Grid whose one node (id 7, partition 0 of the tiny federation) runs the real
+    ClientApp in-process; a ClientApp exception becomes an error reply as in Flower."""
+
+    def __init__(self):
+        self.context = Context(run_id=1, node_id=7, node_config={"partition-id": 0, "num-partitions": 4},
+                               state=RecordDict(), run_config={})
+
+    def send_and_receive(self, messages, *, timeout=None):
+        from flwr.app import Error
+
+        from edgefuse.app.client_app import app
+
+        replies = []
+        for msg in messages:
+            try:
+                replies.append(app(msg, self.context))
+            except Exception as ex:
+                replies.append(Message(Error(code=2, reason=f"{type(ex)}:<'{ex}'>"), reply_to=msg))
+        return replies
+
+
+def test_a_message_for_another_group_is_refused_on_every_kind(monkeypatch):
+    """The attack: a server addresses partition 0 (tiny-llama, rank 4) as another group, with
+    an adapter. Every message kind is refused before the node loads or applies anything."""
+    from flwr.app import ConfigRecord
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from edgefuse.app.handlers import privacy as privacy_handler
+    from edgefuse.app.handlers.local import LocalClient
+    from edgefuse.app.messages import NodeError, ask
+
+    for attr, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):
+        monkeypatch.setattr(TaskIdentity, attr, value)
+    cfg = compose("tiny", ["privacy=disabled"])
+    client = adapter_client(cfg)
+    client.cfg = cfg
+    loads = []
+    monkeypatch.setattr(LocalClient, "load", classmethod(lambda cls, *a: loads.append(a) or client))
+    monkeypatch.setattr(privacy_handler, "probe", lambda msg, context, c: RecordDict(
+        {"privacy": ConfigRecord({"rows": "[]"})}))
+    sent = perturbed(client.slot["init"])
+    strategy = GroupedLoRA(cfg)
+    strategy.groups = {m: SimpleNamespace(per_client={0: sent}) for m in ("tiny-llama", "tiny-qwen2")}
+    grid = ClientAppGrid()
+    forged = [(NodeInfo(7, 0, "tiny-qwen2", 4), "adapter group tiny-qwen2 rank 4"),
+              (NodeInfo(7, 0, "tiny-llama", 8), "adapter group tiny-llama rank 8")]
+    for node, claim in forged:
+        for kind in GROUP_KINDS:
+            with pytest.raises(NodeError) as err:
+                ask(grid, strategy, node, kind, timeout=5, round_idx=2)
+            assert (f"{kind}: <class 'edgefuse.app.messages.GroupMismatchError'>:<'{kind} refused: "
+                    f"addressed to {claim}, this node is tiny-llama rank 4'>") in str(err.value)
+    # a message naming no group at all is refused too
+    content, _ = strategy.content(2, sent)
+    bare = Message(content, dst_node_id=7, message_type="query.decode")
+    (refusal,) = grid.send_and_receive([bare])
+    assert refusal.has_error() and "query.decode refused: the message names no adapter group" in refusal.error.reason
+    # nothing was loaded, applied or stored
+    assert loads == []
+    assert_state_equal(get_adapter_state(client.slot["peft"]), client.slot["init"])
+    assert len(grid.context.state.array_records) == len(grid.context.state.config_records) == 0
+
+    # the node's own group passes, and its adapter is applied
+    reply = ask(grid, strategy, NodeInfo(7, 0, "tiny-llama", 4), "query.privacy", timeout=5, round_idx=2)
+    assert reply.json("privacy", "rows") == [] and len(loads) == 1
+    assert_state_equal(get_adapter_state(client.slot["peft"]), sent)
+
+
 # ----------------------------------------------------------------------------- 4. fusers
 
 

@@ -81,14 +81,13 @@ class LocalClient:
         return client_entry(from_json(cfg_json), partition_id)
 
     @classmethod
-    def for_message(cls, cfg_json: str, partition_id: int, num_partitions: int) -> "LocalClient":
+    def load(cls, cfg: DictConfig, partition_id: int, num_partitions: int) -> "LocalClient":
         """Load (or reuse) the model and data this partition needs.
 
         Raises:
             ConfigError: no federation entry for ``partition_id``.
             ModelSpecError / ModelFetchError: the model cannot be loaded.
         """
-        cfg = from_json(cfg_json)
         entry = client_entry(cfg, partition_id)
         t0 = time.perf_counter()
         slot = _model_for(cfg, entry)

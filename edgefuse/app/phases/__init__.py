@@ -1,31 +1,47 @@
-"""Server-side phases that run after the federated rounds, and the config checks they own.
+"""Server phases: what the ServerApp runs around and after the federated rounds, in order.
+
+Each phase is one module with one :class:`~edgefuse.app.phases.base.Phase` subclass (its
+``name`` is the results section it owns; ``enabled``, ``check``, ``start``, ``after_round``,
+``run``: see :mod:`edgefuse.app.phases.base`). :data:`PHASES` lists them in run order.
+**Adding a phase is one new module and one line in** :data:`PHASES`; nothing else changes
+(the ServerApp, the compose-time checks and the results recorder take it from there).
 
 Each phase's settings are checked by the layer that uses them (``check_config`` in
-:mod:`edgefuse.c2c.hub`, :mod:`edgefuse.cloud.decoding.decoder`, :mod:`edgefuse.attacks.probe`);
-:func:`compose` is :func:`edgefuse.config.compose` plus those checks, so a bad value fails
-before any round.
+:mod:`edgefuse.c2c.hub`, :mod:`edgefuse.cloud.decoding.decoder`, :mod:`edgefuse.attacks.probe`,
+called by each phase's ``check``); :func:`compose` is :func:`edgefuse.config.compose` plus
+those checks, so a bad value fails before any round.
 """
 
 from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from edgefuse.attacks.probe import check_config as check_privacy_probe
-from edgefuse.c2c.hub import check_config as check_c2c
-from edgefuse.cloud.decoding.decoder import check_config as check_cloud
+from edgefuse.app.phases.base import Phase, PhaseContext
+from edgefuse.app.phases.c2c import C2C
+from edgefuse.app.phases.decoding import Decoding
+from edgefuse.app.phases.privacy import Privacy
 from edgefuse.config import compose as compose_core
 
-CHECKS = (check_c2c, check_cloud, check_privacy_probe)
+PHASES: list[type[Phase]] = [
+    C2C,       # fusers after the rounds (or every round), then every receiver in every mode
+    Decoding,  # the cloud service: edge, cloud, speculative and fused decoding
+    Privacy,   # the privacy probe next to the run's live outbound audit
+]
+
+
+def active(cfg: DictConfig) -> list[Phase]:
+    """A fresh instance of every phase of :data:`PHASES` that ``cfg`` enables, in order."""
+    return [phase for phase in (cls() for cls in PHASES) if phase.enabled(cfg)]
 
 
 def check(cfg: DictConfig) -> None:
-    """Run every phase's config check.
+    """Run the config check of every enabled phase.
 
     Raises:
         edgefuse.config.ConfigError: the first bad value found.
     """
-    for fn in CHECKS:
-        fn(cfg)
+    for phase in active(cfg):
+        phase.check(cfg)
 
 
 def compose(experiment: str = "default", overrides: str | list[str] = "") -> DictConfig:
@@ -37,3 +53,6 @@ def compose(experiment: str = "default", overrides: str | list[str] = "") -> Dic
     cfg = compose_core(experiment, overrides)
     check(cfg)
     return cfg
+
+
+__all__ = ["PHASES", "Phase", "PhaseContext", "active", "check", "compose"]

@@ -1,13 +1,13 @@
 """The ServerApp's Cache-to-Cache phase: train and host fusers, relay the exchange, score it.
 
-After the last round (or every round, ``c2c.train.at``) the server
+After the last round (or every round, ``c2c.train.at``: :meth:`C2C.after_round`) the server
 
 1. brings the fuser of every ordered pair up to date (:class:`edgefuse.c2c.hub.FuserService`)
    among one representative client per base model (its lowest partition-id), and trains a
    several-sharers gate per receiver that has two or more sharers;
 2. sends each receiver its fusers (``query.fusers``); a receiver refuses any fuser that was
    not trained for its current model version;
-3. evaluates the same queries (MMLU letters, held-out Dolly rows) per receiver in each mode
+3. (:meth:`C2C.run`, after the rounds) evaluates the same queries (MMLU letters, held-out Dolly rows) per receiver in each mode
    of ``c2c.eval.modes``:
 
    - ``alone``: the receiver by itself;
@@ -26,8 +26,8 @@ Latency per query (ms) is built from the devices' measured compute and the emula
 plus its payload's hops (Co-C2C: both legs; ``multi``: the slowest sharer, as sharers work
 in parallel). Then ``alone``/``t2t``: exchange + receiver prefill + decode (T2T's prompt
 needs the hint first); ``c2c``/``co_c2c``/``multi``: max(exchange, receiver prefill) + fuse
-+ decode, since the receiver prefills its own prompt while the sharers work. Flower's own message overhead is not included (it is a
-simulation artefact; it is in the phase's wall time). ``bytes_sent`` counts the sealed
++ decode, since the receiver prefills its own prompt while the sharers work. Flower's own
+message overhead is not included (it is a simulation artefact; it is in the phase's wall time). ``bytes_sent`` counts the sealed
 payload bytes the devices send per query (what each device puts on its uplink).
 """
 
@@ -37,22 +37,20 @@ import json
 import os
 import time
 from logging import INFO, WARNING
+from pathlib import Path
 
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message
+from flwr.app import Array, ArrayRecord, ConfigRecord
 from flwr.common.logger import log
 
-from edgefuse.transport.wan import WanLink, WanProfile
-from edgefuse.c2c.peer import pack_frames, unpack_frames
-from edgefuse.eval.queries import Query, dolly_eval_queries, load_mmlu, rouge_l
-from edgefuse.c2c.registry import pack_state
+from edgefuse.app.messages import NodeError
+from edgefuse.app.phases.base import Phase, PhaseContext
+from edgefuse.app.strategy import GroupedLoRA, NodeInfo
 from edgefuse.c2c.hub import VAL_ROWS, FuserService, Side, kv_spec, pair_list
-from edgefuse.app.strategy import GroupedLoRA, NodeInfo, last_line
-
-from edgefuse.c2c.hub import MODES  # noqa: E402
-
-
-class C2CError(RuntimeError):
-    """A Cache-to-Cache message failed (the client's reason is in the message)."""
+from edgefuse.c2c.hub import check_config
+from edgefuse.c2c.peer import pack_frames, unpack_frames
+from edgefuse.c2c.registry import FuserRegistry, pack_state
+from edgefuse.eval.queries import Query, dolly_eval_queries, load_mmlu, rouge_l
+from edgefuse.transport.wan import WanLink, WanProfile
 
 
 def representatives(strategy: GroupedLoRA) -> dict[str, NodeInfo]:
@@ -85,35 +83,48 @@ def load_queries(cfg) -> list[Query]:
     return out
 
 
-class C2CPhase:
-    """Server side of Cache-to-Cache for one run (state: the fuser service and gates)."""
+class C2C(Phase):
+    """The Cache-to-Cache phase (results sections ``fusers`` and ``c2c``).
 
-    def __init__(self, cfg, grid, strategy: GroupedLoRA, service: FuserService, timeout: float):
-        self.cfg, self.grid, self.strategy, self.service = cfg, grid, strategy, service
-        self.timeout = timeout
+    State for one run: the fuser service (registry in ``c2c.registry_dir``, else the run's
+    ``fusers/``), the representatives, the pairs whose fuser trained, and the gates."""
+
+    name = "c2c"
+    seconds_key = "c2c_eval"
+    after_round_key = "fusers"
+
+    def enabled(self, cfg) -> bool:
+        return bool(cfg.get("c2c") and cfg.c2c.enabled)
+
+    def check(self, cfg) -> None:
+        """:func:`edgefuse.c2c.hub.check_config`."""
+        check_config(cfg)
+
+    def start(self, ctx: PhaseContext) -> None:
+        """Open the fuser registry and the emulated link."""
+        cfg = ctx.cfg
+        root = Path(cfg.c2c.registry_dir).expanduser() if cfg.c2c.registry_dir else ctx.out / "fusers"
+        self.ctx, self.cfg, self.strategy = ctx, cfg, ctx.strategy
+        self.service = FuserService(cfg, FuserRegistry(root))
         self.gates: dict[str, tuple[list[str], dict, dict]] = {}  # receiver -> (sharers, state, meta)
+        self.reps: dict[str, NodeInfo] = {}
+        self.pairs: list[tuple[str, str]] = []  # (sharer, receiver) whose fuser is up to date
         self.wan = WanLink(WanProfile.from_name(str(cfg.c2c.eval.wan)))
-        unknown = set(cfg.c2c.eval.modes) - set(MODES)
-        if unknown:
-            from edgefuse.config import ConfigError
 
-            raise ConfigError(f"c2c.eval.modes has unknown modes {sorted(unknown)}: use {', '.join(MODES)}")
+    def after_round(self, ctx: PhaseContext, round_idx: int) -> dict:
+        """``{"fusers": rows}`` after the last round, and after every round with
+        ``c2c.train.at: every_round``; ``{}`` otherwise."""
+        if round_idx == ctx.last_round or str(self.cfg.c2c.train.at) == "every_round":
+            return {"fusers": self.update_fusers(round_idx)}
+        return {}
+
+    def run(self, ctx: PhaseContext) -> dict:
+        """``{"c2c": rows}``: every receiver in every mode (see :meth:`evaluate`)."""
+        return {"c2c": self.evaluate()}
 
     # -- messaging ----------------------------------------------------------------
-    def _ask(self, node: NodeInfo, kind: str, conf: dict, arrays: dict[str, ArrayRecord] | None = None,
-             round_idx: int = 0) -> Message:
-        content, _ = self.strategy.content(round_idx, self.strategy.client_state(node))
-        content["c2c"] = ConfigRecord(conf)
-        for name, rec in (arrays or {}).items():
-            content[name] = rec
-        msg = Message(content, dst_node_id=node.node_id, message_type=f"query.{kind}")
-        replies = list(self.grid.send_and_receive([msg], timeout=self.timeout))
-        if not replies:
-            raise C2CError(f"partition {node.partition_id} did not answer query.{kind}")
-        if replies[0].has_error():
-            raise C2CError(f"partition {node.partition_id} query.{kind}: "
-                           f"{last_line(replies[0].error.reason)}")
-        return replies[0]
+    def _ask(self, node: NodeInfo, kind: str, conf: dict, arrays: dict[str, ArrayRecord] | None = None):
+        return self.ctx.ask(node, f"query.{kind}", {"c2c": ConfigRecord(conf), **(arrays or {})})
 
     # -- 1 + 2: fusers --------------------------------------------------------------
     def update_fusers(self, round_idx: int) -> list[dict]:
@@ -134,13 +145,13 @@ class C2CPhase:
         rows = self.service.update(s, self.pairs, round_idx)
         self.pairs = [(r["sharer"], r["receiver"]) for r in rows if r["action"] != "failed"]
         if "multi" in self.cfg.c2c.eval.modes:
-            self._train_gates(s, round_idx)
-        status = self._distribute(round_idx)
+            self._train_gates(s)
+        status = self._distribute()
         for row in rows:
             row["download"] = status.get(row["receiver"], "not sent")
         return rows
 
-    def _train_gates(self, s: dict[str, Side], round_idx: int) -> None:
+    def _train_gates(self, s: dict[str, Side]) -> None:
         from edgefuse.c2c.hub import train_multi_gate
 
         for receiver in self.reps:
@@ -150,7 +161,7 @@ class C2CPhase:
             state, meta = train_multi_gate(self.cfg, self.service, s, receiver, sharers)
             self.gates[receiver] = (sharers, state, meta)
 
-    def _distribute(self, round_idx: int) -> dict[str, str]:
+    def _distribute(self) -> dict[str, str]:
         status = {}
         for receiver, node in self.reps.items():
             sharers = [a for a, b in self.pairs if b == receiver]
@@ -174,19 +185,19 @@ class C2CPhase:
                 arrays["gate"] = ArrayRecord({k: Array(v) for k, v in packed.items()})
                 conf["gate_meta"] = json.dumps({**g_meta, "sharers": g_sharers, "index": index})
             try:
-                self._ask(node, "fusers", conf, arrays, round_idx)
+                self._ask(node, "fusers", conf, arrays)
                 status[receiver] = "installed"
                 log(INFO, "c2c: partition %d (%s) installed %d fusers (%.2f MB)", node.partition_id,
                     receiver, len(sharers), nbytes / 1e6)
-            except C2CError as e:
+            except NodeError as e:
                 status[receiver] = f"refused: {e}"
                 log(WARNING, "c2c: %s", e)
         return status
 
     # -- 3: evaluation ------------------------------------------------------------------
-    def evaluate(self, round_idx: int) -> list[dict]:
+    def evaluate(self) -> list[dict]:
         """One row per (receiver, sharers, mode) (results.json ``c2c``)."""
-        if not getattr(self, "pairs", None):
+        if not self.pairs:
             return []
         queries = load_queries(self.cfg)
         modes = list(self.cfg.c2c.eval.modes)
@@ -207,9 +218,9 @@ class C2CPhase:
                 try:
                     per_query = []
                     for chunk in _chunks(queries, int(self.cfg.c2c.eval.batch_queries)):
-                        per_query += self._run(mode, receiver, ss, chunk, round_idx)
+                        per_query += self._run(mode, receiver, ss, chunk)
                     row = _score(receiver, ss, mode, queries, per_query)
-                except C2CError as e:
+                except NodeError as e:
                     log(WARNING, "c2c: %s with %s on %s failed: %s", mode, ss, receiver, e)
                     row = {"receiver": receiver, "sharers": ss, "mode": mode, "n": 0,
                            "mmlu_acc": None, "rougeL": None, "latency_ms": None,
@@ -221,7 +232,7 @@ class C2CPhase:
                 rows.append(row)
         return rows
 
-    def _share(self, sharer: str, peer: str, kind: str, chunk: list[Query], round_idx: int,
+    def _share(self, sharer: str, peer: str, kind: str, chunk: list[Query],
                refine_frames: list[bytes] | None = None, session_id: bytes | None = None):
         """Ask ``sharer`` to seal ``kind`` payloads for ``peer``; returns (frames, ms, sid)."""
         node, peer_node = self.reps[sharer], self.reps[peer]
@@ -235,17 +246,16 @@ class C2CPhase:
             msg_type = "refine"
             flat, conf["frames_lengths"] = pack_frames(refine_frames)
             arrays = {"frames": ArrayRecord({"frames": Array(flat)})}
-        reply = self._ask(node, msg_type, conf, arrays, round_idx)
-        rec = reply.content["c2c"]
-        frames = unpack_frames(reply.content["frames"]["frames"].numpy(), list(rec["frames_lengths"]))
+        reply = self._ask(node, msg_type, conf, arrays)
+        rec = reply["c2c"]
+        frames = unpack_frames(reply["frames"]["frames"].numpy(), list(rec["frames_lengths"]))
         return frames, [float(x) for x in rec["ms"]], sid
 
     def _hop(self, nbytes: int) -> float:
         """ms for one payload relayed device → server → device over the emulated link."""
         return 1000.0 * (self.wan.delay_s(nbytes) + self.wan.delay_s(nbytes))
 
-    def _run(self, mode: str, receiver: str, sharers: list[str], chunk: list[Query],
-             round_idx: int) -> list[dict]:
+    def _run(self, mode: str, receiver: str, sharers: list[str], chunk: list[Query]) -> list[dict]:
         n = len(chunk)
         pre_ms, sent = [0.0] * n, [0] * n
         conf = {"queries": json.dumps([q.to_dict() for q in chunk]), "mode": mode,
@@ -253,16 +263,15 @@ class C2CPhase:
         arrays = {}
         for i, s in enumerate(sharers):
             if mode == "co_c2c":
-                f1, ms1, sid = self._share(receiver, s, "kv", chunk, round_idx)
-                frames, ms2, _ = self._share(s, receiver, "kv", chunk, round_idx, refine_frames=f1,
+                f1, ms1, sid = self._share(receiver, s, "kv", chunk)
+                frames, ms2, _ = self._share(s, receiver, "kv", chunk, refine_frames=f1,
                                              session_id=sid)
                 conf[f"initiator.{i}"] = True
                 lat = [a + self._hop(len(x)) + b + self._hop(len(y))
                        for a, x, b, y in zip(ms1, f1, ms2, frames)]
                 nb = [len(x) + len(y) for x, y in zip(f1, frames)]
             else:
-                frames, ms, sid = self._share(s, receiver, "text" if mode == "t2t" else "kv", chunk,
-                                              round_idx)
+                frames, ms, sid = self._share(s, receiver, "text" if mode == "t2t" else "kv", chunk)
                 lat = [a + self._hop(len(x)) for a, x in zip(ms, frames)]
                 nb = [len(x) for x in frames]
             flat, conf[f"frames.{i}_lengths"] = pack_frames(frames)
@@ -271,8 +280,7 @@ class C2CPhase:
             conf[f"session_id.{i}"] = sid.hex()
             pre_ms = [max(a, b) for a, b in zip(pre_ms, lat)]  # sharers work in parallel
             sent = [a + b for a, b in zip(sent, nb)]
-        reply = self._ask(self.reps[receiver], "answer", conf, arrays, round_idx)
-        results = json.loads(str(reply.content["c2c"]["results"]))
+        results = self._ask(self.reps[receiver], "answer", conf, arrays).json("c2c", "results")
         for r, p, b in zip(results, pre_ms, sent):
             r["exchange_ms"] = p
             r["bytes_sent"] = b

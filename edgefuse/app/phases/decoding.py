@@ -12,22 +12,22 @@ from __future__ import annotations
 import json
 import time
 from logging import INFO, WARNING
-from pathlib import Path
 
-from flwr.app import ConfigRecord, Message
+from flwr.app import ConfigRecord
 from flwr.common.logger import log
 
-from edgefuse.cloud.devices import Record, summarize, table
-from edgefuse.cloud.decoding.decoder import DecodeResult
-from edgefuse.config import ConfigError
-from edgefuse.transport.wan import WanProfile
-from edgefuse.eval.queries import dolly_eval_queries, load_gsm8k
+from edgefuse.app.phases.base import Phase, PhaseContext
+from edgefuse.app.strategy import GroupedLoRA, NodeInfo
 from edgefuse.c2c.hub import VAL_ROWS
-from edgefuse.app.strategy import GroupedLoRA, NodeInfo, last_line
+from edgefuse.cloud.decoding.decoder import DecodeResult, check_config
+from edgefuse.cloud.devices import Record, summarize, table
+from edgefuse.config import ConfigError
+from edgefuse.eval.queries import dolly_eval_queries, load_gsm8k
+from edgefuse.transport.wan import WanProfile
 
 
 class DecodingError(RuntimeError):
-    """The decoding phase failed (the device's or the service's reason is in the message)."""
+    """The decoding phase cannot run: no connected client runs ``cloud.device_model``."""
 
 
 def load_queries(cfg) -> list:
@@ -67,60 +67,72 @@ def device_node(cfg, strategy: GroupedLoRA) -> NodeInfo:
     return min(nodes, key=lambda n: n.partition_id)
 
 
-def run(cfg, grid, strategy: GroupedLoRA, out: Path, timeout: float, round_idx: int) -> dict:
-    """Run the phase; returns ``{"rows": [...], "records": [...], "service": {...}}``.
+class Decoding(Phase):
+    """The cloud-decoding phase (results sections ``decoding``, ``decoding_records`` and
+    ``summary.cloud_service``)."""
 
-    Raises :class:`DecodingError` / :class:`ConfigError`; the service is stopped in all cases."""
-    from edgefuse.cloud.service import start_service_process, stop_service_process
+    name = "decoding"
 
-    c = cfg.cloud
-    check_pair(cfg)
-    node = device_node(cfg, strategy)
-    queries = load_queries(cfg)
-    svc = c.service
-    t0 = time.perf_counter()
-    log(INFO, "cloud: starting the service with %s (log: %s)", c.model, out / "cloud_service.log")
-    proc, port = start_service_process(
-        str(c.model), str(c.host), int(c.port), max_batch=int(svc.max_batch),
-        max_wait_ms=float(svc.max_wait_ms), max_sessions=int(svc.max_sessions),
-        threads=int(svc.threads), max_context=int(svc.max_context),
-        log_path=out / "cloud_service.log", timeout_s=float(svc.start_timeout_s))
-    started = time.perf_counter() - t0
-    try:
-        content, _ = strategy.content(round_idx, strategy.client_state(node))
-        content["cloud"] = ConfigRecord({"host": str(c.host), "port": int(port),
-                                         "queries": json.dumps([q.to_dict() for q in queries])})
-        msg = Message(content, dst_node_id=node.node_id, message_type="query.decode")
-        log(INFO, "cloud: partition %d (%s) decodes %d prompts in %d modes with %d sessions over %s",
-            node.partition_id, node.model, len(queries), len(c.modes), int(c.devices), c.wan)
-        replies = list(grid.send_and_receive([msg], timeout=timeout))
-        if not replies:
-            raise DecodingError(f"partition {node.partition_id} did not answer query.decode")
-        if replies[0].has_error():
-            raise DecodingError(f"partition {node.partition_id} query.decode: "
-                                f"{last_line(replies[0].error.reason)}")
-        rec = replies[0].content["decoding"]
-        raw = json.loads(str(rec["records"]))
-        wall = json.loads(str(rec["wall"]))
-        protection = str(rec["protection"]) if "protection" in rec else "off"
-        health = _health(str(c.host), int(port))
-    finally:
-        code = stop_service_process(proc)
-        if code not in (0, None):
-            log(WARNING, "cloud: the service exited with code %s (see %s)", code, out / "cloud_service.log")
-    records = [Record(r["qid"], r["kind"], r["mode"], r["device"], _result(r), r["reference"]) for r in raw]
-    from edgefuse.models import load_tokenizer
+    def enabled(self, cfg) -> bool:
+        return bool(cfg.get("cloud") and cfg.cloud.enabled)
 
-    tok = load_tokenizer(str(c.device_model), cfg.paths.cache_dir)
-    rows = summarize(records, wall, tok, WanProfile.from_name(str(c.wan)).rtt_ms, int(c.devices),
-                     greedy=float(c.decode.temperature) == 0)
-    log(INFO, "cloud decoding (%s, %d sessions):\n%s", c.wan, int(c.devices), table(rows))
-    return {"rows": rows, "records": raw,
-            "service": {"model": str(c.model), "start_seconds": started, "port": int(port),
-                        "prompt_protection": protection,
-                        **{k: health.get(k) for k in ("sessions_total", "batches", "jobs",
-                                                      "mean_batch_size", "max_batch_size",
-                                                      "frames_rejected", "bytes_in", "bytes_out")}}}
+    def check(self, cfg) -> None:
+        """:func:`edgefuse.cloud.decoding.decoder.check_config`."""
+        check_config(cfg)
+
+    def start(self, ctx: PhaseContext) -> None:
+        """:func:`check_pair`: refuse a pair without a shared tokenizer before any round."""
+        check_pair(ctx.cfg)
+
+    def run(self, ctx: PhaseContext) -> dict:
+        """Start the service, have the device decode every prompt in every mode, stop it.
+
+        Returns ``{"decoding": rows, "decoding_records": records, "summary": {"cloud_service":
+        facts}}``. Raises :class:`DecodingError` (no device client) or
+        :class:`~edgefuse.app.messages.NodeError` (the device failed); the service is stopped
+        in all cases."""
+        from edgefuse.cloud.service import start_service_process, stop_service_process
+
+        cfg, out = ctx.cfg, ctx.out
+        c = cfg.cloud
+        node = device_node(cfg, ctx.strategy)
+        queries = load_queries(cfg)
+        svc = c.service
+        t0 = time.perf_counter()
+        log(INFO, "cloud: starting the service with %s (log: %s)", c.model, out / "cloud_service.log")
+        proc, port = start_service_process(
+            str(c.model), str(c.host), int(c.port), max_batch=int(svc.max_batch),
+            max_wait_ms=float(svc.max_wait_ms), max_sessions=int(svc.max_sessions),
+            threads=int(svc.threads), max_context=int(svc.max_context),
+            log_path=out / "cloud_service.log", timeout_s=float(svc.start_timeout_s))
+        started = time.perf_counter() - t0
+        try:
+            log(INFO, "cloud: partition %d (%s) decodes %d prompts in %d modes with %d sessions over %s",
+                node.partition_id, node.model, len(queries), len(c.modes), int(c.devices), c.wan)
+            reply = ctx.ask(node, "query.decode", {"cloud": ConfigRecord({
+                "host": str(c.host), "port": int(port),
+                "queries": json.dumps([q.to_dict() for q in queries])})})
+            raw, wall = reply.json("decoding", "records"), reply.json("decoding", "wall")
+            rec = reply["decoding"]
+            protection = str(rec["protection"]) if "protection" in rec else "off"
+            health = _health(str(c.host), int(port))
+        finally:
+            code = stop_service_process(proc)
+            if code not in (0, None):
+                log(WARNING, "cloud: the service exited with code %s (see %s)", code, out / "cloud_service.log")
+        records = [Record(r["qid"], r["kind"], r["mode"], r["device"], _result(r), r["reference"]) for r in raw]
+        from edgefuse.models import load_tokenizer
+
+        tok = load_tokenizer(str(c.device_model), cfg.paths.cache_dir)
+        rows = summarize(records, wall, tok, WanProfile.from_name(str(c.wan)).rtt_ms, int(c.devices),
+                         greedy=float(c.decode.temperature) == 0)
+        log(INFO, "cloud decoding (%s, %d sessions):\n%s", c.wan, int(c.devices), table(rows))
+        service = {"model": str(c.model), "start_seconds": started, "port": int(port),
+                   "prompt_protection": protection,
+                   **{k: health.get(k) for k in ("sessions_total", "batches", "jobs",
+                                                 "mean_batch_size", "max_batch_size",
+                                                 "frames_rejected", "bytes_in", "bytes_out")}}
+        return {"decoding": rows, "decoding_records": raw, "summary": {"cloud_service": service}}
 
 
 def _health(host: str, port: int) -> dict:

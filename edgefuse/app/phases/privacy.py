@@ -3,8 +3,9 @@
 :class:`AuditTally` wraps the Grid: every reply a ClientApp sends carries a
 ``privacy_audit`` record (added by :func:`edgefuse.privacy.audit.flower_mod`, counting that
 handler's outbound payloads — the reply itself, cloud frames and C2C relays — and their
-canary hits); the tally sums them over the run. :func:`run` asks one device to run the
-privacy probe and returns the rows of ``results.json`` ``privacy``.
+canary hits); the tally sums them over the run. :class:`Privacy` asks one device to run the
+privacy probe and returns the sections ``privacy``, ``privacy_layers``, ``privacy_audit`` and
+``summary.privacy`` of ``results.json``.
 """
 
 from __future__ import annotations
@@ -13,15 +14,16 @@ import json
 import time
 from logging import INFO
 
-from flwr.app import Message
 from flwr.common.logger import log
 
+from edgefuse.app.phases.base import Phase, PhaseContext
+from edgefuse.app.strategy import GroupedLoRA, NodeInfo
+from edgefuse.attacks.probe import check_config
 from edgefuse.privacy.audit import merge
-from edgefuse.app.strategy import GroupedLoRA, NodeInfo, last_line
 
 
 class PrivacyError(RuntimeError):
-    """The privacy phase failed (the device's reason is in the message)."""
+    """The privacy phase cannot run: no connected client to run the probe."""
 
 
 class AuditTally:
@@ -58,31 +60,42 @@ def probe_node(cfg, strategy: GroupedLoRA) -> NodeInfo:
     return min(nodes, key=lambda n: n.partition_id)
 
 
-def run(cfg, grid, strategy: GroupedLoRA, timeout: float, round_idx: int, audit: dict) -> dict:
-    """Run the probe on one device; returns ``{"rows", "layers", "audit", "summary"}``.
+class Privacy(Phase):
+    """The privacy phase: the probe on one device, next to the run's live outbound audit."""
 
-    Raises :class:`PrivacyError` when the device fails or does not answer."""
-    node = probe_node(cfg, strategy)
-    content, _ = strategy.content(round_idx, strategy.client_state(node), node)
-    log(INFO, "privacy: partition %d (%s) runs the probe (%d canary prompts, protections %s)",
-        node.partition_id, node.model, int(cfg.privacy.probe.canaries), list(cfg.privacy.probe.modes))
-    t0 = time.perf_counter()
-    replies = list(grid.send_and_receive([Message(content, dst_node_id=node.node_id,
-                                                  message_type="query.privacy")], timeout=timeout))
-    if not replies:
-        raise PrivacyError(f"partition {node.partition_id} did not answer query.privacy")
-    if replies[0].has_error():
-        raise PrivacyError(f"partition {node.partition_id} query.privacy: {last_line(replies[0].error.reason)}")
-    rec = replies[0].content["privacy"]
-    rows = json.loads(str(rec["rows"]))
-    hits_on = sum(r["canary_hits"] for r in rows if r["protection"] in ("redact", "both"))
-    summary = {"probe_partition": node.partition_id, "probe_model": node.model,
-               "probe_seconds": time.perf_counter() - t0,
-               "stage_seconds": json.loads(str(rec["seconds"])),
-               "rephrase_fallbacks": json.loads(str(rec["fallbacks"])),
-               "canary_hits_with_redaction": hits_on,
-               "ner_recall": json.loads(str(rec["ner_recall"])),
-               "live_canary_hits": sum(v.get("canary_hits", 0) for v in audit.values())}
-    log(INFO, "privacy: %d canary hits with redaction on (probe), %d in the run's live traffic",
-        hits_on, summary["live_canary_hits"])
-    return {"rows": rows, "layers": json.loads(str(rec["layers"])), "audit": audit, "summary": summary}
+    name = "privacy"
+
+    def enabled(self, cfg) -> bool:
+        return bool(cfg.get("privacy") and cfg.privacy.enabled)
+
+    def check(self, cfg) -> None:
+        """:func:`edgefuse.attacks.probe.check_config`."""
+        check_config(cfg)
+
+    def run(self, ctx: PhaseContext) -> dict:
+        """Run the probe on :func:`probe_node`; returns ``{"privacy": rows, "privacy_layers":
+        per-layer attack figures, "privacy_audit": the run's audit totals, "summary":
+        {"privacy": facts}}``.
+
+        Raises :class:`PrivacyError` (no node) or :class:`~edgefuse.app.messages.NodeError`
+        (the device failed or did not answer)."""
+        cfg = ctx.cfg
+        node = probe_node(cfg, ctx.strategy)
+        log(INFO, "privacy: partition %d (%s) runs the probe (%d canary prompts, protections %s)",
+            node.partition_id, node.model, int(cfg.privacy.probe.canaries), list(cfg.privacy.probe.modes))
+        audit = ctx.audit  # the live traffic's, before the probe's own reply
+        t0 = time.perf_counter()
+        reply = ctx.ask(node, "query.privacy")
+        rows = reply.json("privacy", "rows")
+        hits_on = sum(r["canary_hits"] for r in rows if r["protection"] in ("redact", "both"))
+        summary = {"probe_partition": node.partition_id, "probe_model": node.model,
+                   "probe_seconds": time.perf_counter() - t0,
+                   "stage_seconds": reply.json("privacy", "seconds"),
+                   "rephrase_fallbacks": reply.json("privacy", "fallbacks"),
+                   "canary_hits_with_redaction": hits_on,
+                   "ner_recall": reply.json("privacy", "ner_recall"),
+                   "live_canary_hits": sum(v.get("canary_hits", 0) for v in audit.values())}
+        log(INFO, "privacy: %d canary hits with redaction on (probe), %d in the run's live traffic",
+            hits_on, summary["live_canary_hits"])
+        return {"privacy": rows, "privacy_layers": reply.json("privacy", "layers"),
+                "privacy_audit": audit, "summary": {"privacy": summary}}

@@ -1,0 +1,135 @@
+"""What the ServerApp and the ClientApp agree on about a message, and the one way the server
+asks a single node.
+
+Every message but ``query.info`` names the adapter group it is addressed to (the config's
+``adapter_model`` / ``adapter_rank``: the destination node's base model and LoRA rank, as the
+server knows them from ``query.info``). The server writes them in
+:meth:`edgefuse.app.strategy.GroupedLoRA.content`; the ClientApp checks them with
+:func:`check_group` before it loads anything, whatever the message kind (train, evaluate,
+C2C queries, fuser downloads, decoding, privacy).
+
+A phase asks one node with :func:`ask`: the message carries the config, the node's current
+adapter and its group, plus the phase's records; a missing or error reply raises one
+:class:`NodeError` that names the node, the message type and the client's error line.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from flwr.app import Message, RecordDict
+
+GROUP_MODEL = "adapter_model"
+GROUP_RANK = "adapter_rank"
+
+
+class NodeError(RuntimeError):
+    """A node did not answer a message, answered with an error, or sent a reply that does
+    not parse (the node, the message type and the reason are in the message)."""
+
+
+class GroupMismatchError(ValueError):
+    """A message addressed to another adapter group than this node's, or to none: refused
+    before the node loads or applies anything."""
+
+
+def last_line(text: str) -> str:
+    """The last non-empty line of a (traceback) text: the exception and its message."""
+    lines = [ln.strip() for ln in str(text).splitlines() if ln.strip()]
+    return lines[-1] if lines else str(text)
+
+
+def group_fields(node) -> dict:
+    """The group a message to ``node`` (a :class:`~edgefuse.app.strategy.NodeInfo`) is
+    addressed to: ``{"adapter_model": model, "adapter_rank": LoRA rank}``."""
+    return {GROUP_MODEL: str(node.model), GROUP_RANK: int(node.lora_rank)}
+
+
+def check_group(config: Mapping, model: str, rank: int, message_type: str) -> None:
+    """Refuse a message whose group fields are not this node's ``model`` / ``rank``.
+
+    Args:
+        config: the message's ``config`` record.
+        model, rank: this node's base model and LoRA rank (its federation entry).
+        message_type: for the error text.
+
+    Raises:
+        GroupMismatchError: a group field is missing or names another model or rank.
+    """
+    if GROUP_MODEL not in config or GROUP_RANK not in config:
+        raise GroupMismatchError(f"{message_type} refused: the message names no adapter group "
+                                 f"({GROUP_MODEL}, {GROUP_RANK})")
+    got_model, got_rank = str(config[GROUP_MODEL]), int(config[GROUP_RANK])
+    if (got_model, got_rank) != (str(model), int(rank)):
+        raise GroupMismatchError(
+            f"{message_type} refused: addressed to adapter group {got_model} rank {got_rank}, "
+            f"this node is {model} rank {rank}")
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A node's (error-free) reply to :func:`ask`; ``reply[name]`` is its record ``name``."""
+
+    node: Any
+    message_type: str
+    content: RecordDict
+
+    def __getitem__(self, name: str):
+        try:
+            return self.content[name]
+        except KeyError:
+            raise NodeError(f"{_who(self.node)} {self.message_type}: the reply has no "
+                            f"record {name!r}") from None
+
+    def json(self, record: str, key: str) -> Any:
+        """The JSON-encoded field ``key`` of the reply's ConfigRecord ``record``, decoded.
+
+        Raises:
+            NodeError: the record or field is missing, or is not JSON.
+        """
+        rec = self[record]
+        if key not in rec:
+            raise NodeError(f"{_who(self.node)} {self.message_type}: the reply has no "
+                            f"{record}.{key}")
+        try:
+            return json.loads(str(rec[key]))
+        except json.JSONDecodeError as e:
+            raise NodeError(f"{_who(self.node)} {self.message_type}: {record}.{key} is not "
+                            f"JSON ({e})") from None
+
+
+def ask(grid, strategy, node, message_type: str, records: Mapping | None = None, *,
+        timeout: float, round_idx: int) -> Reply:
+    """Send one message to one node and return its reply.
+
+    The message is :meth:`~edgefuse.app.strategy.GroupedLoRA.content` for ``node`` (the
+    config, the node's current adapter and its group fields) plus ``records`` (name →
+    Flower record).
+
+    Args:
+        grid: Flower's Grid (or a proxy with its ``send_and_receive``).
+        strategy: the run's :class:`~edgefuse.app.strategy.GroupedLoRA`.
+        node: the :class:`~edgefuse.app.strategy.NodeInfo` to ask.
+        message_type: e.g. ``"query.privacy"``.
+        timeout: seconds to wait for the reply.
+        round_idx: the round written into the config.
+
+    Raises:
+        NodeError: no reply within ``timeout``, or an error reply (its last line quoted).
+    """
+    content, _ = strategy.content(round_idx, strategy.client_state(node), node)
+    for name, rec in (records or {}).items():
+        content[name] = rec
+    msg = Message(content, dst_node_id=int(node.node_id), message_type=message_type)
+    replies = list(grid.send_and_receive([msg], timeout=timeout))
+    if not replies:
+        raise NodeError(f"{_who(node)} did not answer {message_type} within {timeout:.0f} s")
+    if replies[0].has_error():
+        raise NodeError(f"{_who(node)} {message_type}: {last_line(replies[0].error.reason)}")
+    return Reply(node, message_type, replies[0].content)
+
+
+def _who(node) -> str:
+    return f"partition {node.partition_id} ({node.model}, node {node.node_id})"
