@@ -23,10 +23,11 @@ this 2-core machine, and one thread also keeps the figures free of thread-pool n
 untimed work (the target's greedy continuations, the teacher-forced draft passes) uses
 ``--work-threads`` (default 2); it changes nothing but wall time.
 
-Prompts: ``--dolly`` rows of the public Dolly split (one per category in turn, prompts of at
-most ``--max-prompt-tokens``) and the first ``--gsm8k`` GSM8K test questions, chat-templated
-with the tokenizer's template (generation prompt on). Token frequencies come from the rest
-of the public Dolly split (prompt + response) and GSM8K train, never from the evaluated rows.
+Prompts: ``--dolly`` rows of the public Dolly split's evaluation slice (one per category in
+turn, prompts of at most ``--max-prompt-tokens``) and the first ``--gsm8k`` GSM8K test
+questions, chat-templated with the tokenizer's template (generation prompt on). Token
+frequencies come from the main job's draft-head corpus (the public split's ``draft_corpus``
+slice, prompt + response) and GSM8K train, never from the evaluated rows.
 
     python bench/bench_draft.py                 # 8 Dolly + 8 GSM8K prompts, 48 tokens (~12 min here)
     python bench/bench_draft.py --quick         # 2 + 2 prompts, 16 tokens (~3 min)
@@ -86,48 +87,53 @@ def _gsm8k_row(r: dict) -> dict:
 
 
 def load_prompts(tok, mirror: str, seed: int, n_dolly: int, n_gsm8k: int,
-                 max_prompt_tokens: int) -> tuple[list[dict], set[int]]:
-    """The evaluated prompts and the public Dolly rows they use (kept out of the corpus).
+                 max_prompt_tokens: int) -> list[dict]:
+    """The evaluated prompts: Dolly rows of the public split's ``eval`` slice
+    (:func:`edgefuse.eval.splits.public_slices`, one category in turn, prompts of at most
+    ``max_prompt_tokens``), then the first ``n_gsm8k`` GSM8K test questions.
 
     Returns:
-        (prompts, used public-split positions); each prompt is ``{source, row, ids}``.
+        The prompts, each ``{source, row, ids}``.
     """
     from edgefuse.config import compose
-    from edgefuse.data import format_example, public_split
+    from edgefuse.data import format_example
+    from edgefuse.eval.splits import public_slices
 
     cfg = compose("default", [f"data.mirror={mirror}", f"seed={seed}"])
-    pub = public_split(cfg.data, int(cfg.seed))
-    by_cat: dict[str, list[int]] = {}
-    for i, c in enumerate(pub["category"]):
-        by_cat.setdefault(c, []).append(i)
-    cats, taken, used, prompts = sorted(by_cat), {c: 0 for c in by_cat}, set(), []
+    sl = public_slices(cfg.data, int(cfg.seed))
+    rows = sl.eval.tolist()
+    by_cat: dict[str, list[tuple[int, dict]]] = {}
+    for row, r in zip(rows, sl.rows("eval")):
+        by_cat.setdefault(r["category"], []).append((row, r))
+    cats, taken, prompts = sorted(by_cat), {c: 0 for c in by_cat}, []
     k = 0
     while len(prompts) < n_dolly and any(taken[c] < len(by_cat[c]) for c in cats):
         c = cats[k % len(cats)]
         k += 1
         while taken[c] < len(by_cat[c]):
-            i = by_cat[c][taken[c]]
+            row, r = by_cat[c][taken[c]]
             taken[c] += 1
-            ids = _prompt_ids(tok, format_example(pub[i], tok)[0])
+            ids = _prompt_ids(tok, format_example(r, tok)[0])
             if len(ids) <= max_prompt_tokens:
-                prompts.append({"source": "dolly", "row": f"public[{i}] {c}", "ids": ids})
-                used.add(i)
+                prompts.append({"source": "dolly", "row": f"dolly/{row} {c}", "ids": ids})
                 break
     for j, r in enumerate(_gsm8k(mirror, "test")[:n_gsm8k]):
         ids = _prompt_ids(tok, format_example(_gsm8k_row(r), tok)[0])
         prompts.append({"source": "gsm8k", "row": f"test[{j}]", "ids": ids[-max_prompt_tokens:]})
-    return prompts, used
+    return prompts
 
 
-def frequency_corpus(tok, mirror: str, seed: int, exclude: set[int]) -> list[str]:
-    """Public texts for token counting: chat-templated prompt + response of every public
-    Dolly row not evaluated, and of every GSM8K train question."""
+def frequency_corpus(tok, mirror: str, seed: int) -> list[str]:
+    """Public texts for token counting: the draft head's corpus of the main job
+    (:func:`edgefuse.cloud.devices.public_corpus`, the public split's ``draft_corpus`` slice,
+    disjoint from the evaluated rows) plus every GSM8K train question, chat-templated prompt
+    + response."""
+    from edgefuse.cloud.devices import public_corpus
     from edgefuse.config import compose
-    from edgefuse.data import format_example, public_split
+    from edgefuse.data import format_example
 
     cfg = compose("default", [f"data.mirror={mirror}", f"seed={seed}"])
-    pub = public_split(cfg.data, int(cfg.seed))
-    texts = ["".join(format_example(pub[i], tok)) for i in range(len(pub)) if i not in exclude]
+    texts = public_corpus(cfg.data, int(cfg.seed), tok)
     texts += ["".join(format_example(_gsm8k_row(r), tok)) for r in _gsm8k(mirror, "train")]
     return texts
 
@@ -513,8 +519,8 @@ def main(argv=None) -> int:
     if ttok.get_vocab() != tok.get_vocab():
         raise SystemExit("draft and target tokenizers differ: speculative decoding needs one vocabulary")
 
-    prompts, used = load_prompts(tok, args.mirror, args.seed, args.dolly, args.gsm8k, args.max_prompt_tokens)
-    corpus = frequency_corpus(tok, args.mirror, args.seed, used)
+    prompts = load_prompts(tok, args.mirror, args.seed, args.dolly, args.gsm8k, args.max_prompt_tokens)
+    corpus = frequency_corpus(tok, args.mirror, args.seed)
     freq_dir = Path(args.freq_cache) if args.freq_cache else cache_dir() / "draft"
     keep = {n: frequent_token_ids(tok, corpus, n, freq_dir / f"{DRAFT}-top{n}.json")
             for n in sorted(set(heads) | set(shallow_heads))}

@@ -159,7 +159,9 @@ def run_probe(model, tok, privacy_cfg, mirror, data_cfg, seed: int, adapter: byt
             ``redact.*`` and ``rephrase.max_new_tokens``. With ``redact.known_identities``
             the redactor also knows the canary identities (the device's own private values).
         mirror: the data mirror folder (``pii/`` and ``mmlu/``).
-        data_cfg: the ``data`` config (the public Dolly split the attacker trains on).
+        data_cfg: the ``data`` config: the attacker trains on the instructions of the first
+            ``attack_train_prompts`` rows of the public split's ``attack_train`` slice
+            (:func:`edgefuse.eval.splits.public_slices`).
         adapter: the device's LoRA adapter bytes, scanned as the ``adapter`` payload.
         protector: ``protector(texts, protection) -> (protected texts, fallbacks)``; by
             default :func:`edgefuse.privacy.protect.protect_batch` with this model as rephraser.
@@ -169,10 +171,11 @@ def run_probe(model, tok, privacy_cfg, mirror, data_cfg, seed: int, adapter: byt
         A :class:`ProbeResult`.
 
     Raises:
-        ValueError: an unknown protection mode or layer; FileNotFoundError: no mirror.
+        ValueError: an unknown protection mode or layer, or more attacker-training prompts
+            than the ``attack_train`` slice holds; FileNotFoundError: no mirror.
     """
-    from edgefuse.data import public_split
     from edgefuse.eval.queries import load_mmlu
+    from edgefuse.eval.splits import public_slices
 
     pcfg = privacy_cfg.probe
     modes = [str(m) for m in pcfg.modes]
@@ -205,9 +208,12 @@ def run_probe(model, tok, privacy_cfg, mirror, data_cfg, seed: int, adapter: byt
     audit.watch(canaries)
     audit.use_tokenizer(tok)
 
-    pub = public_split(data_cfg, seed)
-    n_train = min(int(pcfg.attack_train_prompts), len(pub))
-    train = [pub[i]["instruction"] for i in range(n_train)]
+    pool = public_slices(data_cfg, seed).rows("attack_train")
+    n_train = int(pcfg.attack_train_prompts)
+    if n_train > len(pool):
+        raise ValueError(f"privacy.probe.attack_train_prompts={n_train} is more than the public split's "
+                         f"attack_train slice holds ({len(pool)}, data.public_slices.attack_train)")
+    train = [r["instruction"] for r in pool[:n_train]]
     attackers = train_attackers(model, tok, train, layers, topk, float(pcfg.ridge),
                                 progress=(lambda d, n: progress("attack-train", d, n)) if progress else None)
     res.seconds["attack_train"] = time.perf_counter() - t0
@@ -283,7 +289,8 @@ def check_config(cfg) -> None:
     """Check ``privacy.probe`` at compose time (nothing when ``privacy.enabled`` is false).
 
     Raises:
-        ConfigError: an unknown probe protection or layer, or a non-positive probe count.
+        ConfigError: an unknown probe protection or layer, a non-positive probe count, or
+            more attacker-training prompts than ``data.public_slices.attack_train``.
     """
     from edgefuse.config import ConfigError, positive_int
 
@@ -296,6 +303,11 @@ def check_config(cfg) -> None:
         raise ConfigError(f"privacy.probe.modes has unknown modes {unknown}: use {', '.join(PROTECTIONS)}")
     for key in ("canaries", "attack_train_prompts", "topk"):
         positive_int(p.get(key), f"privacy.probe.{key}")
+    slice_rows = ((cfg.get("data") or {}).get("public_slices") or {}).get("attack_train")
+    if slice_rows is not None and int(p.attack_train_prompts) > int(slice_rows):
+        raise ConfigError(f"privacy.probe.attack_train_prompts={p.attack_train_prompts} is more than the "
+                          f"attack_train slice of the public split holds (data.public_slices.attack_train="
+                          f"{slice_rows})")
     for key in ("task_n", "live_canaries"):
         v = p.get(key, 0)
         if not (isinstance(v, int) and v >= 0):

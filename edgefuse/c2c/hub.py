@@ -13,8 +13,9 @@ clients hold them and train the pair's :class:`edgefuse.c2c.fuser.C2CFuser` on t
   the same weights are registered under the new version, the card saying where from.
 - ``trained``: otherwise; warm-started from the pair's previous weights when there are some.
 
-Public rows: the first ``c2c.train.examples`` rows of the public split train the fusers, the
-next :data:`VAL_ROWS` score them (card ``scores``), and evaluation queries come after those.
+Public rows: the ``fuser_train`` slice of the public split trains the fusers and the
+``fuser_val`` slice scores them (card ``scores``); the evaluation rows are another slice
+(:func:`edgefuse.eval.splits.public_slices` owns the budget).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 
 from edgefuse.config import ConfigError, lora_targets, positive_int
+from edgefuse.eval.splits import PublicSlices, public_slices
 from edgefuse.lora import attach_lora, set_adapter_state
 from edgefuse.models import load_model
 
@@ -35,8 +37,8 @@ from .registry import (FuserCard, FuserRegistry, FuserVersion, FuserVersionError
                        adapter_change, adapter_hash, config_hash)
 from .train import build_pair_examples, evaluate_pair, train_fuser
 
-VAL_ROWS = 8  # public rows after the training rows that score each fuser
 MODES = ("alone", "t2t", "c2c", "co_c2c", "multi")  # c2c.eval.modes
+VAL_ROWS = 8  # TRANSITIONAL: the phases' old skip arithmetic; the size is data.public_slices.fuser_val
 
 
 def _log(msg: str, *args) -> None:
@@ -94,7 +96,9 @@ def check_config(cfg) -> None:
 
     Raises:
         ConfigError: a non-positive step / example / token count, an unknown ``c2c.train.at``,
-            evaluation mode or WAN preset, or a bad ``c2c.pairs`` entry.
+            evaluation mode or WAN preset, a bad ``c2c.pairs`` entry, ``c2c.train.examples``
+            other than ``data.public_slices.fuser_train``, or more Dolly evaluation rows per
+            category than ``data.public_slices.eval_per_category``.
     """
     c2c = cfg.get("c2c")
     if c2c is None or not c2c.get("enabled"):
@@ -107,6 +111,15 @@ def check_config(cfg) -> None:
                 "c2c.train.max_seq_len", "c2c.eval.max_new_tokens", "c2c.eval.max_prompt_tokens",
                 "c2c.eval.batch_queries"):
         positive_int(OmegaConf.select(cfg, key), key)
+    slices = (cfg.get("data") or {}).get("public_slices") or {}
+    if slices.get("fuser_train") != c2c.train.examples:
+        raise ConfigError(f"c2c.train.examples={c2c.train.examples} but data.public_slices.fuser_train="
+                          f"{slices.get('fuser_train')}: the fusers train on that slice, set both "
+                          "(by default the slice follows c2c.train.examples)")
+    if int(c2c.eval.get("dolly_per_category", 0)) > int(slices.get("eval_per_category") or 0):
+        raise ConfigError(f"c2c.eval.dolly_per_category={c2c.eval.dolly_per_category} is more than the "
+                          f"evaluation slice holds per category (data.public_slices.eval_per_category="
+                          f"{slices.get('eval_per_category')})")
     if str(c2c.train.at) not in ("final", "every_round"):
         raise ConfigError(f"c2c.train.at must be 'final' or 'every_round', got {c2c.train.at!r}")
     unknown = sorted(set(map(str, c2c.eval.modes)) - set(MODES))
@@ -143,33 +156,35 @@ def load_public_copy(cfg, side: Side):
     return model, tok
 
 
-def public_rows(cfg) -> list[dict]:
-    """The public Dolly rows (held by no client) as plain dicts, in split order."""
-    from edgefuse.data import public_split
-
-    return [dict(r) for r in public_split(cfg.data, int(cfg.seed))]
-
-
 class FuserService:
     """Trains and registers the fusers of one run; remembers what each pair was trained with.
 
     Attributes:
         registry: where versions are saved (:class:`edgefuse.c2c.registry.FuserRegistry`).
         rows: one dict per pair of the last :meth:`update` (results.json ``fusers``).
+
+    Args:
+        slices: the public split's slices (default: :func:`edgefuse.eval.splits.public_slices`
+            of ``cfg``, computed on first use); fusers train on ``fuser_train`` and are
+            scored on ``fuser_val``.
     """
 
-    def __init__(self, cfg, registry: FuserRegistry, rows: list[dict] | None = None):
+    def __init__(self, cfg, registry: FuserRegistry, slices: PublicSlices | None = None):
         self.cfg, self.registry = cfg, registry
         self.fcfg = fuser_config(cfg)
         self.fcfg_dict = self.fcfg.to_dict()
-        self._public = rows
+        self._slices = slices
+        self._rows: dict[str, list[dict]] = {}
         self._trained: dict[tuple[str, str], tuple[FuserVersion, dict, dict | None, dict | None]] = {}
         self.rows: list[dict] = []
 
-    def public(self) -> list[dict]:
-        if self._public is None:
-            self._public = public_rows(self.cfg)
-        return self._public
+    def public(self, name: str) -> list[dict]:
+        """The rows of public slice ``name`` (``fuser_train`` or ``fuser_val``), loaded once."""
+        if name not in self._rows:
+            if self._slices is None:
+                self._slices = public_slices(self.cfg.data, int(self.cfg.seed))
+            self._rows[name] = self._slices.rows(name)
+        return self._rows[name]
 
     def version(self, sharer: Side, receiver: Side) -> FuserVersion:
         return FuserVersion(sharer.version(), receiver.version(), config_hash(self.fcfg_dict))
@@ -269,9 +284,7 @@ class FuserService:
         t = self.cfg.c2c.train
         r_model, r_tok = get(receiver.model)
         s_model, s_tok = get(sharer.model)
-        n_train = int(t.examples)
-        rows = self.public()
-        train_rows, val_rows = rows[:n_train], rows[n_train:n_train + VAL_ROWS]
+        train_rows, val_rows = self.public("fuser_train"), self.public("fuser_val")
         max_len = int(t.max_seq_len)
         examples = build_pair_examples(train_rows, r_tok, s_tok, max_len)
         val = build_pair_examples(val_rows, r_tok, s_tok, max_len)
@@ -321,10 +334,8 @@ def train_multi_gate(cfg, service: FuserService, sides: dict[str, Side], receive
         s_models.append(m)
         s_toks.append(tok)
         fusers.append(fuser)
-    rows = service.public()
-    n = int(t.examples)
-    examples = build_multi_examples(rows[:n], r_tok, s_toks, int(t.max_seq_len))
-    val = build_multi_examples(rows[n:n + VAL_ROWS], r_tok, s_toks, int(t.max_seq_len))
+    examples = build_multi_examples(service.public("fuser_train"), r_tok, s_toks, int(t.max_seq_len))
+    val = build_multi_examples(service.public("fuser_val"), r_tok, s_toks, int(t.max_seq_len))
     gate = MultiSharerGate(kv_spec_from_config(r_model.config), len(sharers))
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, int(t.threads)))
@@ -370,5 +381,4 @@ def _fmt(x) -> str:
     return "-" if x is None else f"{x:.4f}"
 
 
-__all__ = ["Side", "FuserService", "train_multi_gate", "kv_spec", "pair_list", "fuser_config", "load_public_copy", "public_rows",
-           "VAL_ROWS"]
+__all__ = ["Side", "FuserService", "train_multi_gate", "kv_spec", "pair_list", "fuser_config", "load_public_copy"]

@@ -34,19 +34,24 @@ def prompt_ids(query: Query, tok, max_prompt_tokens: int) -> list[int]:
     return prefill + [last]
 
 
-def public_corpus(data_cfg, seed: int, tok, max_rows: int = 2000) -> list[str]:
-    """Chat-templated prompt + response texts of the first ``max_rows`` public Dolly rows
-    (rows no client holds; the evaluation rows come after the C2C fuser rows, and GSM8K is
-    not in it): the corpus of the frequency-pruned draft head."""
-    from edgefuse.data import format_example, public_split
+def public_corpus(data_cfg, seed: int, tok) -> list[str]:
+    """The corpus of the frequency-pruned draft head: the chat-templated prompt + response of
+    every row of the public split's ``draft_corpus`` slice
+    (:func:`edgefuse.eval.splits.public_slices`; no client holds these rows, and no
+    evaluation query, fuser or attacker uses them; GSM8K is not in it)."""
+    from edgefuse.data import format_example
+    from edgefuse.eval.splits import public_slices
 
-    ds = public_split(data_cfg, seed)
-    return ["".join(format_example(ds[i], tok)) for i in range(min(max_rows, len(ds)))]
+    return ["".join(format_example(r, tok)) for r in public_slices(data_cfg, seed).rows("draft_corpus")]
 
 
 def pruned_head(model, tok, data_cfg, seed: int, n: int, cache_dir=None):
-    """A :class:`edgefuse.cloud.decoding.drafters.DraftHead` keeping the ``n`` most frequent public-corpus tokens
-    (cached as JSON under ``<cache_dir>/draft_heads``), or None for ``n <= 0``."""
+    """A :class:`edgefuse.cloud.decoding.drafters.DraftHead` keeping the ``n`` most frequent tokens of
+    :func:`public_corpus` (cached as JSON under ``<cache_dir>/draft_heads``), or None for ``n <= 0``.
+
+    Raises:
+        ValueError: the ``draft_corpus`` slice is empty (no rows left in the public split).
+    """
     if n <= 0:
         return None
     from edgefuse.models import cache_dir as model_cache
@@ -55,7 +60,11 @@ def pruned_head(model, tok, data_cfg, seed: int, n: int, cache_dir=None):
     from edgefuse.cloud.target import tokenizer_fingerprint
 
     path = model_cache(cache_dir) / "draft_heads" / f"{tokenizer_fingerprint(tok)}-{n}.json"
-    ids = frequent_token_ids(tok, public_corpus(data_cfg, seed, tok), n, cache_path=path)
+    corpus = public_corpus(data_cfg, seed, tok)
+    if not corpus:
+        raise ValueError("the draft_corpus slice of the public split is empty: lower the other "
+                         "data.public_slices sizes or raise data.public_fraction")
+    ids = frequent_token_ids(tok, corpus, n, cache_path=path)
     return DraftHead(model, ids)
 
 

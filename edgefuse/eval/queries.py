@@ -29,7 +29,8 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from edgefuse.data import DATASETS, IGNORE_INDEX, format_example, load_dolly, public_split, split_public, tokenize_example
+from edgefuse.data import DATASETS, IGNORE_INDEX, format_example, tokenize_example
+from edgefuse.eval.splits import public_slices
 
 from edgefuse.kvcache import fused_forward
 
@@ -276,38 +277,38 @@ def load_gsm8k(mirror: str | Path | None, n: int, seed: int, split: str = "test"
                   category="gsm8k") for i in rows]
 
 
-def dolly_eval_queries(data_cfg, seed: int, per_category: int, skip: int) -> list[Query]:
-    """Held-out Dolly queries from the public split (rows no client holds).
+def dolly_eval_queries(data_cfg, seed: int, per_category: int, skip=None) -> list[Query]:
+    """Held-out Dolly queries: the ``eval`` slice of the public split (rows no client holds,
+    no fuser trains on, the draft head never counts; :func:`edgefuse.eval.splits.public_slices`).
 
-    The public split (:func:`edgefuse.data.public_split`, sorted by dataset row) loses its
-    first ``skip`` rows (those train the fusers); from the rest, the first ``per_category``
-    rows of every category of the dataset are taken.
+    The first ``per_category`` rows (in dataset-row order) of every category of the slice.
 
     Returns:
         ``per_category * n_categories`` queries of kind ``dolly``, sorted by category then
         dataset row; ``qid = dolly/<dataset row>``, ``reference`` the Dolly response.
 
     Raises:
-        ValueError: ``per_category < 1``, ``skip < 0``, or a category with fewer than
-            ``per_category`` rows left after ``skip``.
+        ValueError: ``per_category < 1``, or more than ``data.public_slices.eval_per_category``
+            (the slice's rows per category); see also :func:`edgefuse.eval.splits.public_slices`.
         FileNotFoundError: see :func:`edgefuse.data.load_dolly`.
     """
-    if per_category < 1 or skip < 0:
-        raise ValueError(f"need per_category >= 1 and skip >= 0, got {per_category}, {skip}")
-    ds = load_dolly(data_cfg)
+    del skip  # TRANSITIONAL: ignored, the eval slice already follows the fuser rows
+    sl = public_slices(data_cfg, seed)
+    if not 1 <= per_category <= sl.sizes.eval_per_category:
+        raise ValueError(f"asked for {per_category} Dolly evaluation rows per category, the eval slice "
+                         f"holds {sl.sizes.eval_per_category} (data.public_slices.eval_per_category): "
+                         "need 1 <= per_category <= that")
     label = DATASETS[data_cfg["name"]][1]
-    public = public_split(data_cfg, seed)
-    rows, _ = split_public(len(ds), float(data_cfg["public_fraction"]), seed)  # public's dataset rows
+    rows = sl.eval.tolist()
+    table = sl.dataset.select(rows)
+    by_cat: dict[str, list[int]] = {}
+    for pos, cat in enumerate(table[label]):
+        by_cat.setdefault(cat, []).append(pos)
     out: list[Query] = []
-    rest_cats = list(public[label])[skip:]
-    for cat in sorted(set(ds[label])):
-        picks = [skip + i for i, c in enumerate(rest_cats) if c == cat][:per_category]
-        if len(picks) < per_category:
-            raise ValueError(f"category {cat!r} has {len(picks)} public rows after skipping {skip}, "
-                             f"need {per_category}: lower per_category or skip")
-        for i in picks:
-            r = public[i]
-            out.append(Query(qid=f"dolly/{int(rows[i])}", kind="dolly", instruction=r["instruction"],
+    for cat in sl.categories:
+        for pos in by_cat[cat][:per_category]:
+            r = table[pos]
+            out.append(Query(qid=f"dolly/{rows[pos]}", kind="dolly", instruction=r["instruction"],
                              context=r.get("context") or "", choices=None, answer=None,
                              reference=r["response"], category=cat))
     return out

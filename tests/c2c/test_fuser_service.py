@@ -14,6 +14,7 @@ from edgefuse.config import ConfigError, compose, lora_targets
 from edgefuse.lora import attach_lora, get_adapter_state
 from edgefuse.models import get_spec, tiny_model
 from edgefuse.c2c import hub as service_mod
+from edgefuse.eval.splits import public_slices
 from edgefuse.c2c.fuser import kv_spec_from_config
 from edgefuse.c2c.multi import MultiSharerGate
 from edgefuse.c2c.registry import FuserRegistry, adapter_change
@@ -40,7 +41,7 @@ def cfg(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def public(cfg):
-    return service_mod.public_rows(cfg)
+    return public_slices(cfg.data, int(cfg.seed))
 
 
 def adapter(cfg, name, seed):
@@ -149,7 +150,7 @@ def test_failed_pair_does_not_stop_the_others(cfg, public, tmp_path):
     sides = {LLAMA: side(cfg, LLAMA, adapter(cfg, LLAMA, 1)), QWEN: side(cfg, QWEN, None, 2),
              "no-such-model": Side("no-such-model", 3, None, RANK, 16.0)}
     reg = FuserRegistry(tmp_path)
-    rows = FuserService(cfg, reg, rows=public).update(sides, [("no-such-model", LLAMA), (QWEN, LLAMA)], 1)
+    rows = FuserService(cfg, reg, slices=public).update(sides, [("no-such-model", LLAMA), (QWEN, LLAMA)], 1)
     assert [r["action"] for r in rows] == ["failed", "trained"]
     assert "ModelSpecError" in rows[0]["reason"] and "no-such-model" in rows[0]["reason"]
     assert rows[0]["params"] is None and rows[0]["train_steps"] == 0
@@ -174,7 +175,7 @@ def test_pair_list():
 def test_train_multi_gate(cfg, public, tmp_path):
     sides = {LLAMA: side(cfg, LLAMA, adapter(cfg, LLAMA, 1)), QWEN: side(cfg, QWEN, adapter(cfg, QWEN, 2), 2),
              GEMMA: side(cfg, GEMMA, adapter(cfg, GEMMA, 3), 3)}
-    svc = FuserService(cfg, FuserRegistry(tmp_path), rows=public)
+    svc = FuserService(cfg, FuserRegistry(tmp_path), slices=public)
     rows = svc.update(sides, [(QWEN, LLAMA), (GEMMA, LLAMA)], 1)
     assert [r["action"] for r in rows] == ["trained", "trained"], [r.get("reason") for r in rows]
     state, meta = train_multi_gate(cfg, svc, sides, LLAMA, [QWEN, GEMMA])
@@ -190,3 +191,20 @@ def test_train_multi_gate(cfg, public, tmp_path):
     assert meta["loss_before"] > 0 and meta["loss_after"] > 0
     # trained: the gate moved away from its zero-weight init
     assert any(np.abs(v).max() > 0 for k, v in state.items() if k.endswith("weight"))
+
+
+def test_fusers_train_on_the_fuser_slices(cfg, public, tmp_path, monkeypatch):
+    """The service takes its rows from the public split's fuser_train / fuser_val slices."""
+    seen = []
+    real = service_mod.build_pair_examples
+
+    def record(rows, *a, **kw):
+        seen.append(rows)
+        return real(rows, *a, **kw)
+
+    monkeypatch.setattr(service_mod, "build_pair_examples", record)
+    sides = {LLAMA: side(cfg, LLAMA, None), QWEN: side(cfg, QWEN, None, 2)}
+    rows = FuserService(cfg, FuserRegistry(tmp_path)).update(sides, [(QWEN, LLAMA)], 1)
+    assert rows[0]["action"] == "trained", rows[0].get("reason")
+    assert len(public.fuser_train) == int(cfg.c2c.train.examples) == 8 and len(public.fuser_val) == 8
+    assert seen == [public.rows("fuser_train"), public.rows("fuser_val")]

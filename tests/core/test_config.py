@@ -76,3 +76,24 @@ def test_bad_c2c_settings_fail_at_compose_time(override, message):
 def test_bad_privacy_settings_fail_at_compose_time(override):
     with pytest.raises(ConfigError, match="privacy"):
         compose_checked("tiny", override)
+
+
+def test_public_slices_follow_the_phase_settings():
+    cfg = compose("tiny")
+    ps = cfg.data.public_slices
+    assert ps.fuser_train == cfg.c2c.train.examples == 8
+    assert ps.attack_train == cfg.privacy.probe.attack_train_prompts == 12
+    assert (ps.fuser_val, ps.eval_per_category, ps.draft_corpus) == (8, 10, None)
+    assert compose("c2c").data.public_slices.fuser_train == 250
+    smoke = compose("smoke")  # c2c disabled: the slice keeps its default size
+    assert smoke.data.public_slices.fuser_train == 160
+
+
+@pytest.mark.parametrize("override, message", [
+    ("data.public_slices.fuser_train=5", "c2c.train.examples=8 but data.public_slices.fuser_train=5"),
+    ("c2c.eval.dolly_per_category=11", "c2c.eval.dolly_per_category=11 is more than the evaluation slice"),
+    ("data.public_slices.attack_train=3", "privacy.probe.attack_train_prompts=12 is more than the attack_train"),
+])
+def test_public_slice_budget_checked_at_compose_time(override, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        compose_checked("tiny", [override])

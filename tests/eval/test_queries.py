@@ -28,7 +28,9 @@ def dolly_cfg(mirror, **over):
     base = dict(name="dolly", hub_id="databricks/databricks-dolly-15k", mirror=str(mirror),
                 mirror_file="dolly/databricks-dolly-15k.jsonl", partitioning="category",
                 dirichlet_alpha=0.5, public_fraction=0.1, val_fraction=0.1,
-                max_train_examples=2000, max_eval_examples=16, max_seq_len=128)
+                max_train_examples=2000, max_eval_examples=16, max_seq_len=128,
+                public_slices=dict(fuser_train=200, fuser_val=8, eval_per_category=5,
+                                   attack_train=20, draft_corpus=None))
     return {**base, **over}
 
 
@@ -98,26 +100,37 @@ def test_load_mmlu_errors(mirror, tmp_path):
 
 
 def test_dolly_eval_queries_held_out(mirror):
-    cfg, seed, skip, k = dolly_cfg(mirror), 0, 200, 5
-    qs = dolly_eval_queries(cfg, seed, per_category=k, skip=skip)
+    cfg, seed, k = dolly_cfg(mirror), 0, 5
+    qs = dolly_eval_queries(cfg, seed, per_category=k)
     cats = sorted(set(data.load_dolly(cfg)["category"]))
     assert len(cats) == 8 and len(qs) == 8 * k
     assert [q.category for q in qs] == sorted(c for c in cats for _ in range(k))
-    assert [q.qid for q in dolly_eval_queries(cfg, seed, k, skip)] == [q.qid for q in qs]
+    assert [q.qid for q in dolly_eval_queries(cfg, seed, k)] == [q.qid for q in qs]
     rows = [int(q.qid.split("/")[1]) for q in qs]
     public, fed = data.split_public(len(data.load_dolly(cfg)), cfg["public_fraction"], seed)
-    assert set(rows) <= set(public[skip:].tolist())  # not among the fuser-training rows
+    skip = 200 + 8  # fuser_train + fuser_val
+    assert set(rows) <= set(public[skip:].tolist())  # not among the fuser rows
     assert not set(rows) & set(fed.tolist())  # held by no client
+    # the first k public rows of each category after the fuser rows, as before the slices
+    cat_of = np.asarray(data.load_dolly(cfg)["category"])
+    rest = public[skip:]
+    assert rows == [int(r) for c in cats for r in rest[cat_of[rest] == c][:k]]
     ds = data.load_dolly(cfg)
     assert all(ds[r]["response"] == q.reference and ds[r]["category"] == q.category
                for r, q in zip(rows, qs))
+    # fewer per category: a prefix of each category's rows
+    two = dolly_eval_queries(cfg, seed, per_category=2)
+    assert [q.qid for q in two] == [q.qid for i, q in enumerate(qs) if i % k < 2]
     # Nor in any client's train/val rows, by content.
     seen = {(q.instruction, q.context, q.reference) for q in qs}
     for pid in range(4):
         for split in data.client_split(cfg, pid, 4, seed):
             assert not seen & {(r["instruction"], r["context"], r["response"]) for r in split}
-    with pytest.raises(ValueError, match="brainstorming.* public rows after skipping 200"):
-        dolly_eval_queries(cfg, seed, per_category=200, skip=skip)
+    with pytest.raises(ValueError, match=r"6 Dolly evaluation rows per category.*holds 5 "
+                                         r"\(data.public_slices.eval_per_category\)"):
+        dolly_eval_queries(cfg, seed, per_category=6)
+    with pytest.raises(ValueError, match="per_category"):
+        dolly_eval_queries(cfg, seed, per_category=0)
 
 
 def test_t2t_hint_reaches_the_prompt():
