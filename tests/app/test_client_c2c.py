@@ -74,7 +74,7 @@ def saved_fuser(tmp_path, client, receiver_hash=None, seed=0):
 
 
 def fusers_message(state, config, card, client, sharer_model, tamper=False) -> Message:
-    """What edgefuse.app.phases.c2c.C2CPhase._distribute sends for one sharer."""
+    """What edgefuse.app.phases.c2c.C2C._distribute sends for one sharer."""
     packed, index = pack_state(state)
     if tamper:
         packed = {k: v.copy() for k, v in packed.items()}
