@@ -312,32 +312,6 @@ class RunRecorder:
     # The four set_* methods below predate update(); they stay until the ServerApp and the
     # tests call update() instead.
 
-    def set_fusers(self, rows: list[Mapping]) -> None:
-        """``update({"fusers": rows})``: the fuser registry rows of the latest fuser update."""
-        self.update({"fusers": list(rows)})
-
-    def set_c2c(self, rows: list[Mapping]) -> None:
-        """``update({"c2c": rows})``: the Cache-to-Cache evaluation rows."""
-        self.update({"c2c": list(rows)})
-
-    def set_decoding(self, phase: Mapping) -> None:
-        """The decoding phase's output as :meth:`update` keys: ``rows`` into ``decoding``,
-        ``records`` into ``decoding_records``, ``service`` into the summary's ``cloud_service``."""
-        sections = {"decoding": list(phase.get("rows", [])), "decoding_records": list(phase.get("records", []))}
-        if phase.get("service"):
-            sections["summary"] = {"cloud_service": dict(phase["service"])}
-        self.update(sections)
-
-    def set_privacy(self, phase: Mapping) -> None:
-        """The privacy phase's output as :meth:`update` keys: ``rows`` into ``privacy``,
-        ``layers`` into ``privacy_layers``, ``audit`` into ``privacy_audit``, ``summary``
-        into the summary's ``privacy``."""
-        sections = {"privacy": list(phase.get("rows", [])), "privacy_layers": list(phase.get("layers", [])),
-                    "privacy_audit": dict(phase.get("audit", {}))}
-        if phase.get("summary"):
-            sections["summary"] = {"privacy": dict(phase["summary"])}
-        self.update(sections)
-
     def set_summary(self, summary: Mapping) -> None:
         """Merge ``summary`` into the free-form summary (later keys win; deep-copied)."""
         self.results["summary"].update(copy.deepcopy(dict(summary)))

@@ -467,12 +467,12 @@ def run_record(tmp_path: Path, debug_text: bool) -> Path:
     rec = RunRecorder(out, {"privacy": {"debug_text": debug_text}, "seed": 0})
     rec.add_round({"round": 1, "clients": [{"partition_id": 0, "model": "tiny-llama",
                                             "lora_rank": 4, "status": "ok", "reason": None}]})
-    rec.set_decoding({"rows": [{"mode": "edge", "devices": 1, "rtt_ms": 0.0, "prompts": 1}],
-                      "records": [{"qid": "dolly/1", "kind": "dolly", "mode": "edge", "device": 0,
-                                   "text": PRIVATE + " (answer)", "reference": PRIVATE,
-                                   "tokens": [4111, 1111, 1111, 1111], "prompt": PRIVATE}]})
-    rec.set_c2c([{"receiver": "tiny-llama", "sharers": [], "mode": "alone", "n": 1,
-                  "answers": {"dolly/1": PRIVATE}, "error": None}])
+    rec.update({"decoding": [{"mode": "edge", "devices": 1, "rtt_ms": 0.0, "prompts": 1}],
+                "decoding_records": [{"qid": "dolly/1", "kind": "dolly", "mode": "edge", "device": 0,
+                                      "text": PRIVATE + " (answer)", "reference": PRIVATE,
+                                      "tokens": [4111, 1111, 1111, 1111], "prompt": PRIVATE}],
+                "c2c": [{"receiver": "tiny-llama", "sharers": [], "mode": "alone", "n": 1,
+                         "answers": {"dolly/1": PRIVATE}, "error": None}]})
     rec.set_summary({"probe": [{"canary": PRIVATE, "answer": 2}]})
     rec.finish()
     return out

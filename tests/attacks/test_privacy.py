@@ -584,10 +584,11 @@ def test_privacy_section_survives_the_scrubber(tmp_path):
              for kind in A.PAYLOADS}
     rec = R.RunRecorder(tmp_path, {"privacy": {"debug_text": False}})
     rec.add_round({"round": 1, "clients": [], "groups": []})
-    rec.set_privacy({"rows": privacy_rows(), "layers": [{"payload": "kv", "layer": 1, "protection": "none",
-                                                         "attacker_token_acc": 0.75, "attacker_exact_match": 0.0}],
-                     "audit": audit, "summary": {"canary_hits_with_redaction": 0}})
-    rec.set_decoding({"rows": [], "records": [{"qid": "q", "text": "Keira Forster lives here"}]})
+    rec.update({"privacy": privacy_rows(),
+                "privacy_layers": [{"payload": "kv", "layer": 1, "protection": "none",
+                                    "attacker_token_acc": 0.75, "attacker_exact_match": 0.0}],
+                "privacy_audit": audit, "summary": {"privacy": {"canary_hits_with_redaction": 0}},
+                "decoding": [], "decoding_records": [{"qid": "q", "text": "Keira Forster lives here"}]})
     rec.save()
     res = json.loads((tmp_path / R.JSON_NAME).read_text())
     assert res["privacy_audit"] == audit  # payload names and hit kinds are not free text

@@ -140,24 +140,6 @@ def test_the_four_sections_own_distinct_keys_and_files():
                          "eval_png", "bytes_png", "c2c_png", "decoding_png", "privacy_png"]
 
 
-def test_set_methods_are_update_calls(tmp_path: Path):
-    """The phase-specific setters (kept until no caller is left) store what update() stores."""
-    old, new = R.RunRecorder(tmp_path / "a", {}), R.RunRecorder(tmp_path / "b", {})
-    old.set_fusers([{"sharer": "a"}])
-    old.set_c2c([{"receiver": "r", "mode": "alone"}])
-    old.set_decoding({"rows": [{"mode": "edge"}], "records": [{"qid": "q"}], "service": {"port": 1}})
-    old.set_privacy({"rows": [{"payload": "kv"}], "layers": [{"layer": 1}], "audit": {"kv": {"bytes": 3}},
-                     "summary": {"canary_hits": 0}})
-    new.update({"fusers": [{"sharer": "a"}], "c2c": [{"receiver": "r", "mode": "alone"}],
-                "decoding": [{"mode": "edge"}], "decoding_records": [{"qid": "q"}],
-                "privacy": [{"payload": "kv"}], "privacy_layers": [{"layer": 1}],
-                "privacy_audit": {"kv": {"bytes": 3}},
-                "summary": {"cloud_service": {"port": 1}, "privacy": {"canary_hits": 0}}})
-    old.results["summary"].pop("out_dir"), new.results["summary"].pop("out_dir")
-    assert old.results == new.results
-    assert old.results["summary"] == {"cloud_service": {"port": 1}, "privacy": {"canary_hits": 0}}
-
-
 def test_importing_results_loads_no_plotting_and_no_torch():
     code = ("import sys, edgefuse.results, edgefuse.results.recorder; "
             "print(sorted(m for m in ('matplotlib', 'torch') if m in sys.modules))")
