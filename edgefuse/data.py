@@ -9,6 +9,14 @@ Index pipeline (all indices are rows of the loaded dataset)::
     federated --partition_by_category / partition_dirichlet--> one part per client
     client part --client_split--> train (≤ max_train_examples) | val (≤ max_eval_examples)
 
+Partitioning goes through flwr-datasets (the Flower ecosystem's ``datasets`` partitioners,
+used on the in-memory dataset): ``DirichletPartitioner`` for ``dirichlet``, natural-id
+partitioning by category for ``category``; only the placing of whole categories on clients,
+which flwr-datasets lacks, is written here. flwr-datasets 0.6 needs ``datasets`` 4, which
+serves everything edgefuse uses of it (``load_dataset`` on JSON/CSV files and hub ids,
+``select``, column access). The category partitions are the rows they were before; the
+Dirichlet ones are new (see :func:`partition_dirichlet`).
+
 Training loss is on response tokens only: ``tokenize_example`` sets ``labels = -100``
 on the prompt. Rows left with no response token after truncation are dropped by
 ``tokenize_dataset``, so a batch never has an all-masked row.
@@ -123,16 +131,36 @@ def split_public(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.nda
 
 
 def _by_category(categories: Sequence[str]) -> dict[str, np.ndarray]:
-    """Sorted category name -> indices of its examples (ascending)."""
-    cats = np.asarray(categories)
-    return {c: np.flatnonzero(cats == c) for c in sorted(set(cats.tolist()))}
+    """Sorted category name -> indices of its examples (ascending): flwr-datasets'
+    natural-id partitioning by the category column, one partition per category.
+
+    ``GroupedNaturalIdPartitioner`` with one id per group and sorted ids is
+    ``NaturalIdPartitioner``'s partitioning (same partitions, same order) without the
+    progress bar the latter writes to stderr on every call.
+    """
+    from datasets import Dataset
+    from flwr_datasets.partitioner import GroupedNaturalIdPartitioner
+
+    cats = [str(c) for c in categories]
+    natural = GroupedNaturalIdPartitioner(partition_by="category", group_size=1, sort_unique_ids=True)
+    natural.dataset = Dataset.from_dict({"category": cats, "row": list(range(len(cats)))})
+    out = {}
+    for pid in range(natural.num_partitions):
+        (cat,) = natural.partition_id_to_natural_ids[pid]
+        out[cat] = np.asarray(natural.load_partition(pid)["row"][:], dtype=np.int64)
+    return out
 
 
 def partition_by_category(categories: Sequence[str], num_partitions: int,
                           seed: int) -> list[np.ndarray]:
     """Natural non-IID split: clients hold whole categories (or shares of one category).
 
-    Rule, with the C sorted category names shuffled by ``seed`` into ``order``:
+    The rows of each category come from flwr-datasets' natural-id partitioning
+    (:func:`_by_category`). flwr-datasets has no partitioner that puts C natural ids on an
+    arbitrary number P of clients (``NaturalIdPartitioner`` makes C partitions,
+    ``GroupedNaturalIdPartitioner`` ``ceil(C / group_size)``, and none splits one id across
+    clients), so that mapping is written here. With the C sorted category names shuffled by
+    ``seed`` into ``order``:
 
     * ``num_partitions <= C``: category ``order[i]`` goes whole to partition ``i % P``.
       Each partition gets at least one category and no category is shared.
@@ -170,41 +198,57 @@ def partition_by_category(categories: Sequence[str], num_partitions: int,
 
 
 def partition_dirichlet(categories: Sequence[str], num_partitions: int, alpha: float,
-                        seed: int, min_size: int = 1, max_tries: int = 100) -> list[np.ndarray]:
-    """Label-skew split (Hsu et al. 2019; flwr-datasets ``DirichletPartitioner``).
+                        seed: int, min_size: int = 1) -> list[np.ndarray]:
+    """Label-skew split (Hsu et al. 2019) by flwr-datasets' ``DirichletPartitioner``.
 
-    For each category, its shuffled examples are cut among the partitions with
-    proportions ~ Dir(alpha * 1_P). Small alpha: each category lands mostly on a few
-    clients; large alpha: close to uniform. The whole draw is repeated (same seeded
-    generator, so still deterministic) until every partition has ``min_size`` examples.
+    For each category, its examples are cut among the partitions with proportions
+    ~ Dir(alpha * 1_P) (``self_balancing=False``). Small alpha: each category lands mostly
+    on a few clients; large alpha: close to uniform. flwr-datasets repeats the draw (its
+    generator seeded by ``seed``, so still deterministic) until every partition has
+    ``min_size`` examples, at most 10 times. flwr-datasets cuts each category's rows in
+    their order, so the rows go in shuffled (by ``seed``) to make each cut a random subset.
+
+    Reproducible for a seed, but not the partitions of edgefuse before it used
+    flwr-datasets (a hand-written draw with another use of the generator): the same
+    ``data.partitioning=dirichlet`` run now gives its clients other rows.
 
     Returns:
         ``num_partitions`` sorted int64 index arrays into ``categories``; every index
         appears in exactly one.
 
     Raises:
-        ValueError: ``num_partitions < 1`` or ``alpha <= 0``.
-        RuntimeError: no draw in ``max_tries`` met ``min_size``.
+        ValueError: ``num_partitions < 1``, more partitions than examples, or ``alpha <= 0``.
+        RuntimeError: no draw in 10 tries met ``min_size``.
     """
+    import warnings
+
+    from datasets import Dataset
+    from flwr_datasets.partitioner import DirichletPartitioner
+
     if num_partitions < 1:
         raise ValueError(f"num_partitions must be >= 1, got {num_partitions}")
     if alpha <= 0:
         raise ValueError(f"dirichlet_alpha must be > 0, got {alpha}")
-    rng = np.random.default_rng(seed)
-    groups = _by_category(categories)
-    for _ in range(max_tries):
-        parts: list[list[np.ndarray]] = [[] for _ in range(num_partitions)]
-        for idx in groups.values():
-            props = rng.dirichlet(np.full(num_partitions, alpha))
-            cuts = (np.cumsum(props)[:-1] * len(idx)).astype(int)
-            for p, chunk in enumerate(np.split(rng.permutation(idx), cuts)):
-                parts[p].append(chunk)
-        out = [np.sort(np.concatenate(p)).astype(np.int64) for p in parts]
-        if min(len(p) for p in out) >= min_size:
-            return out
-    raise RuntimeError(f"Dirichlet partitioning (alpha={alpha}, {num_partitions} partitions) "
-                       f"left a partition with < {min_size} examples in {max_tries} tries; "
-                       f"raise data.dirichlet_alpha or use fewer partitions")
+    if num_partitions > len(categories):
+        raise ValueError(f"{num_partitions} partitions for {len(categories)} examples")
+    order = np.random.default_rng([seed, 1]).permutation(len(categories))
+    cats = np.asarray([str(c) for c in categories])[order]
+    part = DirichletPartitioner(num_partitions=num_partitions, partition_by="category",
+                                alpha=float(alpha), min_partition_size=min_size,
+                                self_balancing=False, shuffle=False, seed=seed)
+    part.dataset = Dataset.from_dict({"category": cats.tolist(), "row": order.tolist()})
+    try:
+        with warnings.catch_warnings():  # one warning per failed draw; the error below says it
+            warnings.simplefilter("ignore", UserWarning)
+            out = [np.sort(np.asarray(part.load_partition(p)["row"][:], dtype=np.int64))
+                   for p in range(num_partitions)]
+    except ValueError as e:
+        if "attempts" not in str(e):
+            raise
+        raise RuntimeError(f"Dirichlet partitioning (alpha={alpha}, {num_partitions} partitions) left "
+                           f"a partition with < {min_size} examples in 10 tries; raise "
+                           f"data.dirichlet_alpha or use fewer partitions") from None
+    return out
 
 
 def _federated_parts(data_cfg, num_partitions: int, seed: int):
@@ -214,7 +258,7 @@ def _federated_parts(data_cfg, num_partitions: int, seed: int):
         raise ValueError(f"unknown data.partitioning={scheme!r}; valid: {list(PARTITIONINGS)}")
     ds = load_dolly(data_cfg)
     public, fed = split_public(len(ds), float(data_cfg["public_fraction"]), seed)
-    cats = np.asarray(ds[DATASETS[data_cfg["name"]][1]])[fed]
+    cats = np.asarray(ds[DATASETS[data_cfg["name"]][1]][:])[fed]  # [:]: a list, not row by row
     if scheme == "category":
         parts = partition_by_category(cats, num_partitions, seed)
     else:

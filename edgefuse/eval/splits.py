@@ -138,7 +138,7 @@ def public_slices(data_cfg, seed: int) -> PublicSlices:
     sizes = slice_sizes(data_cfg)
     ds = load_dolly(data_cfg)
     public, _ = split_public(len(ds), float(data_cfg["public_fraction"]), seed)
-    labels = np.asarray(ds[DATASETS[data_cfg["name"]][1]])
+    labels = np.asarray(ds[DATASETS[data_cfg["name"]][1]][:])  # [:]: a list, not row by row
     categories = tuple(sorted(set(labels.tolist())))
     n_eval = sizes.eval_per_category * len(categories)
     need = (sizes.fuser_train + sizes.fuser_val + n_eval + sizes.attack_train
@@ -155,8 +155,7 @@ def public_slices(data_cfg, seed: int) -> PublicSlices:
 
     if need > len(public):
         raise budget_error("")
-    texts = np.asarray([_norm(t) for t in ds.select(public.tolist())["instruction"]], dtype=object)
-    text_of = dict(zip(public.tolist(), texts))
+    text_of = dict(zip(public.tolist(), map(_norm, ds.select(public.tolist())["instruction"][:])))
     taken: set[str] = set()
     left = public
 

@@ -140,7 +140,63 @@ def test_dirichlet_cover_min_size_and_skew(categories):
 def test_dirichlet_impossible_min_size_raises():
     cats = ["a"] * 5 + ["b"] * 5
     with pytest.raises(RuntimeError, match="tries"):
-        data.partition_dirichlet(cats, 4, alpha=0.5, seed=0, min_size=5, max_tries=5)
+        data.partition_dirichlet(cats, 4, alpha=0.5, seed=0, min_size=5)
+    with pytest.raises(ValueError, match="alpha"):
+        data.partition_dirichlet(cats, 4, alpha=0.0, seed=0)
+    with pytest.raises(ValueError, match="11 partitions for 10 examples"):
+        data.partition_dirichlet(cats, 11, alpha=0.5, seed=0)
+
+
+def test_dirichlet_is_flwr_datasets_partitioner():
+    """The partitions are DirichletPartitioner's on the seeded row order (every row of a
+    category goes to exactly one partition; the per-category shares sum to 1)."""
+    from datasets import Dataset
+    from flwr_datasets.partitioner import DirichletPartitioner
+
+    cats = np.array(["a"] * 30 + ["b"] * 20 + ["c"] * 10)
+    got = data.partition_dirichlet(cats, 3, alpha=0.5, seed=7, min_size=2)
+    order = np.random.default_rng([7, 1]).permutation(len(cats))
+    ref = DirichletPartitioner(num_partitions=3, partition_by="category", alpha=0.5, min_partition_size=2,
+                               self_balancing=False, shuffle=False, seed=7)
+    ref.dataset = Dataset.from_dict({"category": cats[order].tolist(), "row": order.tolist()})
+    want = [sorted(ref.load_partition(p)["row"][:]) for p in range(3)]
+    assert [p.tolist() for p in got] == want
+    assert min(len(p) for p in got) >= 2 and _exact_cover(got, len(cats))
+    for c in "abc":
+        shares = [int((cats[p] == c).sum()) / int((cats == c).sum()) for p in got]
+        assert sum(shares) == pytest.approx(1.0)
+
+
+def test_categories_come_from_natural_id_partitioning():
+    """_by_category is flwr-datasets' NaturalIdPartitioner partitioning: one partition per
+    category, sorted, each holding that category's rows in order."""
+    from datasets import Dataset
+    from flwr_datasets.partitioner import NaturalIdPartitioner
+
+    cats = list("cabbacxac")
+    ref = NaturalIdPartitioner(partition_by="category")
+    ref.dataset = Dataset.from_dict({"category": cats, "row": list(range(len(cats)))})
+    want = {ref.partition_id_to_natural_id[p]: ref.load_partition(p)["row"][:] for p in range(ref.num_partitions)}
+    got = data._by_category(cats)
+    assert list(got) == ["a", "b", "c", "x"] == sorted(want)
+    assert {c: v.tolist() for c, v in got.items()} == want == {"a": [1, 4, 7], "b": [2, 3], "c": [0, 5, 8], "x": [6]}
+
+
+@needs_mirror
+@pytest.mark.parametrize("num_partitions, sizes, digest", [
+    (3, [6862, 4406, 2242], "d7094f8d7554ad77"),
+    (4, [2974, 3568, 2559, 4409], "c70ab95e5ae35753"),
+    (10, [803, 982, 638, 3336, 1369, 1604, 1921, 1073, 802, 982], "82030e44c028ae25"),
+])
+def test_category_partitions_as_before_flwr_datasets(categories, num_partitions, sizes, digest):
+    """The federated run's category partitions are the rows they were before the
+    partitioning went through flwr-datasets (sizes and sha256 recorded then, seed 0)."""
+    import hashlib
+
+    _, fed = data.split_public(len(categories), 0.1, seed=0)
+    parts = data.partition_by_category(np.asarray(categories)[fed], num_partitions, seed=0)
+    assert [len(p) for p in parts] == sizes
+    assert hashlib.sha256(b"".join(p.tobytes() for p in parts)).hexdigest()[:16] == digest
 
 
 @needs_mirror
