@@ -30,7 +30,8 @@ from edgefuse.cli.launch import default_mirror  # noqa: E402
 from edgefuse.models import load_model  # noqa: E402
 from edgefuse.io import atomic_write_bytes, atomic_write_json  # noqa: E402
 from edgefuse.c2c.fuser import C2CFuser, FuserConfig, kv_spec_from_config  # noqa: E402
-from edgefuse.c2c.train import build_pair_examples, evaluate_pair, train_fuser  # noqa: E402
+from edgefuse.c2c.examples import build_pair_examples  # noqa: E402
+from edgefuse.c2c.train import evaluate_pair, train_fuser  # noqa: E402
 
 
 class ZeroCacheSharer(torch.nn.Module):

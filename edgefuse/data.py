@@ -25,6 +25,7 @@ on the prompt. Rows left with no response token after truncation are dropped by
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -339,33 +340,67 @@ def format_example(example: dict, tokenizer) -> tuple[str, str]:
     return prompt + "### Response:\n", response
 
 
-def tokenize_example(example: dict, tokenizer, max_seq_len: int) -> dict[str, list[int]]:
-    """Token ids for one row, loss on the response only.
+@dataclass(frozen=True)
+class TokenizedParts:
+    """One formatted row, tokenized and truncated (:func:`tokenize_parts`).
+
+    Attributes:
+        prompt: the formatted prompt text (:func:`format_example`).
+        add_special_tokens: whether the prompt was tokenized with the tokenizer's special
+            tokens (False when the chat template already wrote the BOS).
+        prompt_ids: every token id of ``prompt``, before truncation.
+        kept: the indices into ``prompt_ids`` that survive truncation (a leading BOS, then a
+            suffix), ascending.
+        response_ids: the response tokens that survive truncation (response text + EOS).
+    """
+
+    prompt: str
+    add_special_tokens: bool
+    prompt_ids: list[int]
+    kept: list[int]
+    response_ids: list[int]
+
+
+def tokenize_parts(example: dict, tokenizer, max_seq_len: int) -> TokenizedParts:
+    """Format one row and tokenize its prompt and response, truncated to ``max_seq_len``.
 
     The prompt is tokenized with the tokenizer's special tokens (BOS where it adds one;
-    not again if the chat template already wrote it), the response without, and the
-    two are concatenated. If the pair is longer than ``max_seq_len``, the prompt loses
-    tokens from its left (a leading BOS is kept) but not below ``max_seq_len // 2``
-    tokens, then the whole is cut on the right. So a non-empty response always keeps
-    at least ``max_seq_len - max_seq_len // 2`` tokens; rows that still end up with no
-    response token are dropped by ``tokenize_dataset``.
-
-    Returns:
-        dict of equal-length lists (length ≤ max_seq_len): ``input_ids``,
-        ``attention_mask`` (all 1), ``labels`` (-100 on prompt positions, else the id).
+    not again if the chat template already wrote it), the response without. If the pair is
+    longer than ``max_seq_len``, the prompt loses tokens from its left (a leading BOS is
+    kept) but not below ``max_seq_len // 2`` tokens, then the whole is cut on the right. So
+    a non-empty response always keeps at least ``max_seq_len - max_seq_len // 2`` tokens.
+    The rule of :func:`tokenize_example` and of C2C pair examples
+    (:mod:`edgefuse.c2c.examples`), which also need the kept prompt positions.
     """
     prompt, response = format_example(example, tokenizer)
     bos = tokenizer.bos_token
     add_special = not (bos and prompt.startswith(bos))  # Gemma-style templates write BOS
     p_ids = tokenizer(prompt, add_special_tokens=add_special)["input_ids"]
     r_ids = tokenizer(response, add_special_tokens=False)["input_ids"]
+    kept = list(range(len(p_ids)))
     if len(p_ids) + len(r_ids) > max_seq_len:
         keep = max(max_seq_len - len(r_ids), max_seq_len // 2)
         if len(p_ids) > keep:
-            head = p_ids[:1] if bos is not None and p_ids and p_ids[0] == tokenizer.bos_token_id else []
-            p_ids = head + p_ids[len(p_ids) - max(keep - len(head), 0):]
-    ids = (p_ids + r_ids)[:max_seq_len]
-    labels = ([IGNORE_INDEX] * len(p_ids) + r_ids)[:max_seq_len]
+            head = [0] if bos is not None and p_ids and p_ids[0] == tokenizer.bos_token_id else []
+            kept = head + list(range(len(p_ids) - max(keep - len(head), 0), len(p_ids)))
+    kept = kept[:max_seq_len]
+    return TokenizedParts(prompt, add_special, list(p_ids), kept,
+                          list(r_ids[:max(max_seq_len - len(kept), 0)]))
+
+
+def tokenize_example(example: dict, tokenizer, max_seq_len: int) -> dict[str, list[int]]:
+    """Token ids for one row, loss on the response only, truncated as
+    :func:`tokenize_parts` says; rows that end up with no response token are dropped by
+    ``tokenize_dataset``.
+
+    Returns:
+        dict of equal-length lists (length ≤ max_seq_len): ``input_ids``,
+        ``attention_mask`` (all 1), ``labels`` (-100 on prompt positions, else the id).
+    """
+    parts = tokenize_parts(example, tokenizer, max_seq_len)
+    p_ids = [parts.prompt_ids[i] for i in parts.kept]
+    ids = p_ids + parts.response_ids
+    labels = [IGNORE_INDEX] * len(p_ids) + parts.response_ids
     return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels}
 
 

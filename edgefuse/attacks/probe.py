@@ -1,6 +1,7 @@
 """The privacy probe: every payload type of a device, audited and attacked, per protection.
 
-For each protection mode (``none`` / ``redact`` / ``rephrase`` / ``both``) the device
+For each protection mode (``none`` / ``redact`` / ``rephrase`` / ``both``: the modes of
+:data:`edgefuse.privacy.protect.PROTECTIONS`, rows naming ``off`` ``none``) the device
 protects canary prompts (:mod:`edgefuse.privacy.canaries`) and produces, with the real
 encoders, what would leave it:
 
@@ -38,8 +39,8 @@ from edgefuse.attacks.inversion import (
 )
 from edgefuse.privacy.audit import OutboundAudit
 from edgefuse.privacy.canaries import load_canary_prompts
+from edgefuse.privacy.protect import PROTECTION_NAMES
 
-PROTECTIONS = ("none", "redact", "rephrase", "both")
 PAYLOADS = ("kv", "hidden", "logits_topk", "draft_tokens", "adapter")
 
 
@@ -75,11 +76,6 @@ def resolve_layers(spec, n_layers: int) -> list[int]:
         if i not in out:
             out.append(i)
     return sorted(out)
-
-
-def _mode_name(protection: str) -> str:
-    """Probe protection name → :func:`edgefuse.privacy.protect` mode (``none`` = ``off``)."""
-    return "off" if protection == "none" else protection
 
 
 @torch.no_grad()
@@ -179,9 +175,9 @@ def run_probe(model, tok, privacy_cfg, mirror, data_cfg, seed: int, adapter: byt
 
     pcfg = privacy_cfg.probe
     modes = [str(m) for m in pcfg.modes]
-    bad = [m for m in modes if m not in PROTECTIONS]
+    bad = sorted({m for m in modes if m not in PROTECTION_NAMES})
     if bad:
-        raise ValueError(f"unknown protection modes {bad}; choose from {PROTECTIONS}")
+        raise ValueError(f"unknown protection modes {bad}; choose from {', '.join(PROTECTION_NAMES)}")
     n_layers = int(model.config.num_hidden_layers)
     layers = resolve_layers(list(pcfg.attack_layers), n_layers)
     topk = int(pcfg.topk)
@@ -278,7 +274,7 @@ def default_protector(model, tok, redactor=None, max_new_tokens: int = 96):
     from edgefuse.privacy.protect import protect_batch
 
     def protector(texts: list[str], protection: str):
-        out = protect_batch(texts, _mode_name(protection), model=model, tok=tok, redactor=redactor,
+        out = protect_batch(texts, protection, model=model, tok=tok, redactor=redactor,
                             max_new_tokens=max_new_tokens)
         return [p.text for p in out], sum(int(p.rephrased_fell_back) for p in out)
 
@@ -298,9 +294,9 @@ def check_config(cfg) -> None:
     if priv is None or not priv.get("enabled"):
         return
     p = priv.probe
-    unknown = sorted(set(map(str, p.modes)) - set(PROTECTIONS))
+    unknown = sorted(set(map(str, p.modes)) - set(PROTECTION_NAMES))
     if unknown or not p.modes:
-        raise ConfigError(f"privacy.probe.modes has unknown modes {unknown}: use {', '.join(PROTECTIONS)}")
+        raise ConfigError(f"privacy.probe.modes has unknown modes {unknown}: use {', '.join(PROTECTION_NAMES)}")
     for key in ("canaries", "attack_train_prompts", "topk"):
         positive_int(p.get(key), f"privacy.probe.{key}")
     slice_rows = ((cfg.get("data") or {}).get("public_slices") or {}).get("attack_train")

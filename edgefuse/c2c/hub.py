@@ -35,7 +35,8 @@ from edgefuse.models import load_model
 from .fuser import C2CFuser, FuserConfig, kv_spec_from_config
 from .registry import (FuserCard, FuserRegistry, FuserVersion, FuserVersionError, ModelVersion,
                        adapter_change, adapter_hash, config_hash)
-from .train import build_pair_examples, evaluate_pair, train_fuser
+from .examples import build_pair_examples
+from .train import evaluate_pair, train_fuser
 
 MODES = ("alone", "t2t", "c2c", "co_c2c", "multi")  # c2c.eval.modes
 VAL_ROWS = 8  # TRANSITIONAL: the phases' old skip arithmetic; the size is data.public_slices.fuser_val

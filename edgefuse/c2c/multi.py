@@ -29,15 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
+from .examples import PairExample, build_pair_example
 from .fuser import KVSpec, copy_cache, fused_forward
-from .train import (
-    PairExample,
-    _continuation_loss,
-    _ids,
-    build_pair_example,
-    frozen,
-    step_indices,
-)
+from .train import _continuation_loss, _ids, frozen, step_indices
 
 _MAX_INIT_WEIGHT = 0.95  # initial weight of a lone sharer (sigmoid cannot start at 1)
 

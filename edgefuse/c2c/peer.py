@@ -38,8 +38,8 @@ from edgefuse.privacy.audit import outbound
 from .exchange import decode_kv_cache, encode_kv_cache
 from edgefuse.eval.queries import (Query, answer_text, choice_token_ids, greedy_decode, prefill, prompt_split,
                       query_example, score_choices)
+from .examples import build_pair_example
 from .registry import ModelVersion
-from .train import build_pair_example
 
 MAGIC = b"EFP1"
 MAX_HEADER_BYTES = 4096
@@ -126,7 +126,7 @@ def _ids(ids: list[int], model) -> torch.Tensor:
 
 
 def pair_example(query: Query, receiver_tok, sharer_tok, max_prompt_tokens: int):
-    """The :class:`edgefuse.c2c.train.PairExample` of a query (no response): both sides' prompt
+    """The :class:`edgefuse.c2c.examples.PairExample` of a query (no response): both sides' prompt
     tokens and the alignment, exactly as fusers were trained.
 
     Raises:

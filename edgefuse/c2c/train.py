@@ -18,6 +18,9 @@ fused cache could not influence the prediction of ``r_0``. So the receiver prefi
 of the continuation, which attends to the fused cache. Decoding does the same: prefill all
 but the last prompt token, fuse, then start generating from the last prompt token.
 
+A row becomes a :class:`edgefuse.c2c.examples.PairExample` (both prompts, the alignment, the
+labels) in :mod:`edgefuse.c2c.examples`, which the query-time path shares.
+
 Labels follow the Hugging Face convention used in :mod:`edgefuse.training`: ``labels``
 has the continuation's length, ``-100`` on position 0 (``p_{n-1}``, not predicted), the id
 elsewhere; the loss compares ``logits[:, :-1]`` with ``labels[:, 1:]``, so the input
@@ -49,155 +52,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from edgefuse.data import IGNORE_INDEX, format_example
+from edgefuse.data import IGNORE_INDEX
 from edgefuse.io import atomic_write_bytes
 
-from .align import align_formatted, align_spans
+from .examples import PairExample
 from .fuser import fused_forward
 
 CHECKPOINT_FORMAT = "edgefuse-fuser-train/1"
 _CKPT_RE = re.compile(r"^step-(\d+)\.pt$")
-
-
-# ------------------------------------------------------------------------- examples
-
-@dataclass
-class PairExample:
-    """One public row, tokenized for an ordered (receiver ← sharer) pair.
-
-    Attributes:
-        receiver_prompt_ids: the receiver's formatted prompt without its last token
-            (``Tp_r`` ids, the receiver prefill that the fuser changes).
-        continuation_ids: the receiver's last prompt token, then the response ids
-            (response text + EOS, possibly cut on the right by ``max_seq_len``).
-        labels: same length as ``continuation_ids``: ``-100`` at position 0, the ids
-            after (the model input is shifted against them in the loss).
-        sharer_prompt_ids: the sharer's own formatted prompt, all of it (``Tp_s`` ids).
-        mapping: ``Tp_r`` lists of sharer prompt indices (:mod:`edgefuse.c2c.align`).
-    """
-
-    receiver_prompt_ids: list[int]
-    continuation_ids: list[int]
-    labels: list[int]
-    sharer_prompt_ids: list[int]
-    mapping: list[list[int]]
-
-    @property
-    def num_tokens(self) -> int:
-        """Labelled (predicted) tokens: the response tokens."""
-        return sum(label != IGNORE_INDEX for label in self.labels[1:])
-
-
-def _tokenize(example: dict, tok, max_seq_len: int):
-    """Format and tokenize one row as :func:`edgefuse.data.tokenize_example` does.
-
-    Returns ``(prompt_text, add_special, prompt_ids, kept, response_ids)``: ``kept`` are
-    the indices into ``prompt_ids`` that survive truncation (a leading BOS plus a suffix),
-    ``response_ids`` the response tokens that survive it.
-    """
-    prompt, response = format_example(example, tok)
-    bos = tok.bos_token
-    add_special = not (bos and prompt.startswith(bos))  # Gemma-style templates write BOS
-    p_ids = tok(prompt, add_special_tokens=add_special)["input_ids"]
-    r_ids = tok(response, add_special_tokens=False)["input_ids"]
-    kept = list(range(len(p_ids)))
-    if len(p_ids) + len(r_ids) > max_seq_len:
-        keep = max(max_seq_len - len(r_ids), max_seq_len // 2)
-        if len(p_ids) > keep:
-            head = [0] if bos is not None and p_ids and p_ids[0] == tok.bos_token_id else []
-            tail = max(keep - len(head), 0)
-            kept = head + list(range(len(p_ids) - tail, len(p_ids)))
-    kept = kept[:max_seq_len]
-    return prompt, add_special, p_ids, kept, r_ids[:max(max_seq_len - len(kept), 0)]
-
-
-def _special_offset(tok, text: str, add_special: bool) -> tuple[int, int]:
-    """``(leading, trailing)`` tokens that ``add_special`` adds around ``tok(text)``."""
-    if not add_special:
-        return 0, 0
-    plain = tok(text, add_special_tokens=False)["input_ids"]
-    full = tok(text, add_special_tokens=True)["input_ids"]
-    for k in range(len(full) - len(plain) + 1):
-        if full[k:k + len(plain)] == plain:
-            return k, len(full) - len(plain) - k
-    raise ValueError(f"{type(tok).__name__} changes the text's tokens when adding special tokens")
-
-
-def _content_mapping(r_text: str, s_text: str, example: dict, receiver_tok, sharer_tok) -> list[list[int]]:
-    """Alignment of the two formatted prompts (tokenized without special tokens).
-
-    Through the user content (instruction + blank line + context, as
-    :func:`edgefuse.data.format_example` builds it) with :func:`edgefuse.c2c.align.align_formatted`.
-    When one side has no chat template, its prompt holds the instruction and context in
-    separate blocks, so the content is not one substring: then instruction and context
-    are aligned separately (each located from the end, the context first) and merged.
-    """
-    instruction = example["instruction"].strip()
-    context = (example.get("context") or "").strip()
-    content = instruction + (f"\n\n{context}" if context else "")
-    try:
-        return align_formatted(r_text, s_text, content, receiver_tok, sharer_tok)
-    except ValueError:
-        pass
-    merged: list[set[int]] | None = None
-    r_end, s_end = len(r_text), len(s_text)
-    for piece in (context, instruction):  # right to left: the instruction precedes the context
-        if not piece:
-            continue
-        ra, sa = r_text.rfind(piece, 0, r_end), s_text.rfind(piece, 0, s_end)
-        if ra < 0 or sa < 0:
-            continue
-        part = align_spans(r_text, (ra, ra + len(piece)), s_text, (sa, sa + len(piece)),
-                           receiver_tok, sharer_tok)
-        merged = [set(m) for m in part] if merged is None else [a | set(b) for a, b in zip(merged, part)]
-        r_end, s_end = ra, sa
-    if merged is None:
-        return [[] for _ in receiver_tok(r_text, add_special_tokens=False)["input_ids"]]
-    return [sorted(m) for m in merged]
-
-
-def build_pair_example(example: dict, receiver_tok, sharer_tok, max_seq_len: int) -> PairExample | None:
-    """Tokenize one Dolly row for a (receiver ← sharer) pair; ``None`` if nothing usable remains.
-
-    Both prompts are formatted by :func:`edgefuse.data.format_example` with each model's own
-    tokenizer (chat template or plain format) and truncated as
-    :func:`edgefuse.data.tokenize_example` does (the prompt loses tokens from its left,
-    keeping a leading BOS, not below ``max_seq_len // 2``; then the whole is cut on the
-    right); the sharer's prompt is truncated by the same rule with its own response length.
-    The alignment (see :func:`_content_mapping`) is then restricted to the kept tokens.
-
-    Returns ``None`` when no response token survives, the receiver prompt has fewer than
-    two tokens (nothing to prefill), the sharer prompt is empty, or no prefilled receiver
-    token maps to any sharer token (nothing to fuse).
-    """
-    r_text, r_special, r_prompt, r_kept, r_resp = _tokenize(example, receiver_tok, max_seq_len)
-    s_text, s_special, s_prompt, s_kept, _ = _tokenize(example, sharer_tok, max_seq_len)
-    if not r_resp or len(r_kept) < 2 or not s_kept:
-        return None
-    mapping = _content_mapping(r_text, s_text, example, receiver_tok, sharer_tok)
-    r_lead, r_trail = _special_offset(receiver_tok, r_text, r_special)
-    s_lead, _ = _special_offset(sharer_tok, s_text, s_special)
-    mapping = [[]] * r_lead + [[s + s_lead for s in m] for m in mapping] + [[]] * r_trail
-    assert len(mapping) == len(r_prompt), (len(mapping), len(r_prompt))
-    new_index = {orig: new for new, orig in enumerate(s_kept)}
-    prefill = r_kept[:-1]
-    mapping = [[new_index[s] for s in mapping[i] if s in new_index] for i in prefill]
-    if not any(mapping):
-        return None
-    last = r_prompt[r_kept[-1]]
-    return PairExample(
-        receiver_prompt_ids=[r_prompt[i] for i in prefill],
-        continuation_ids=[last] + r_resp,
-        labels=[IGNORE_INDEX] + r_resp,
-        sharer_prompt_ids=[s_prompt[i] for i in s_kept],
-        mapping=mapping,
-    )
-
-
-def build_pair_examples(rows, receiver_tok, sharer_tok, max_seq_len: int) -> list[PairExample]:
-    """:func:`build_pair_example` on every row, dropping the unusable ones."""
-    built = (build_pair_example(r, receiver_tok, sharer_tok, max_seq_len) for r in rows)
-    return [ex for ex in built if ex is not None]
 
 
 # ---------------------------------------------------------------------------- losses
@@ -473,7 +335,4 @@ def train_fuser(
     }
 
 
-__all__ = [
-    "PairExample", "build_pair_example", "build_pair_examples", "pair_loss", "evaluate_pair",
-    "step_indices", "train_fuser", "frozen", "CHECKPOINT_FORMAT",
-]
+__all__ = ["pair_loss", "evaluate_pair", "step_indices", "train_fuser", "frozen", "CHECKPOINT_FORMAT"]

@@ -7,7 +7,7 @@ fused KV cache (C2C). This module holds the model-side pieces:
 * queries: MMLU multiple choice (:func:`load_mmlu`) and held-out public Dolly rows
   (:func:`dolly_eval_queries`), JSON-able so they travel inside Flower ConfigRecords;
 * prompts: each query becomes a Dolly-style row (:func:`query_example`) that
-  :func:`edgefuse.data.format_example` and :func:`edgefuse.c2c.train.build_pair_example` render
+  :func:`edgefuse.data.format_example` and :func:`edgefuse.c2c.examples.build_pair_example` render
   for each model's own tokenizer; :func:`prompt_split` tokenizes it and splits off the
   last prompt token;
 * scoring: :func:`prefill` the prompt but its last token, (optionally fuse the cache,)
@@ -326,7 +326,7 @@ def t2t_hint(query: Query, sharer_answer: str) -> Query:
 
 def query_example(query: Query) -> dict:
     """The Dolly-style row ``{"instruction", "context", "response": ""}`` of a query, for
-    :func:`edgefuse.data.format_example` / :func:`edgefuse.c2c.train.build_pair_example`."""
+    :func:`edgefuse.data.format_example` / :func:`edgefuse.c2c.examples.build_pair_example`."""
     return {"instruction": query.instruction, "context": query.context, "response": ""}
 
 

@@ -15,6 +15,10 @@ from edgefuse.privacy.redact import Redactor, get_redactor, restore
 from edgefuse.privacy.rephrase import rephrase_batch
 
 PROTECTIONS = ("off", "redact", "rephrase", "both")
+# Other spellings accepted wherever a protection is configured: the privacy probe's rows
+# (results.json ``privacy``) name "off" "none".
+PROTECTION_ALIASES = {"none": "off"}
+PROTECTION_NAMES = (*PROTECTIONS, *PROTECTION_ALIASES)  # every accepted spelling
 
 
 @dataclass
@@ -36,15 +40,17 @@ class Protected:
 
 
 def check_mode(mode: str) -> str:
-    """Return ``mode`` if it is one of :data:`PROTECTIONS`.
+    """The protection ``mode`` names: itself if it is one of :data:`PROTECTIONS`, the mode
+    an alias stands for if it is one of :data:`PROTECTION_ALIASES` (``none`` → ``off``).
 
     Raises:
         ValueError: unknown mode; the message lists the valid ones.
     """
-    if mode not in PROTECTIONS:
+    canonical = PROTECTION_ALIASES.get(mode, mode)
+    if canonical not in PROTECTIONS:
         raise ValueError(f"unknown privacy protection {mode!r}: use one of "
-                         f"{', '.join(PROTECTIONS)}")
-    return mode
+                         f"{', '.join(PROTECTIONS)} (or {', '.join(PROTECTION_ALIASES)})")
+    return canonical
 
 
 def protect_batch(texts: list[str], mode: str, model=None, tok=None,
@@ -54,7 +60,7 @@ def protect_batch(texts: list[str], mode: str, model=None, tok=None,
 
     Args:
         texts: the prompts.
-        mode: ``off`` | ``redact`` | ``rephrase`` | ``both``.
+        mode: ``off`` | ``redact`` | ``rephrase`` | ``both`` (or an alias, :func:`check_mode`).
         model, tok: the device's loaded causal LM and tokenizer (needed for ``rephrase``
             and ``both``).
         redactor: the :class:`Redactor` to use (default: the cached default one; use
@@ -67,7 +73,7 @@ def protect_batch(texts: list[str], mode: str, model=None, tok=None,
     Raises:
         ValueError: unknown mode, or a rephrasing mode without a model and tokenizer.
     """
-    check_mode(mode)
+    mode = check_mode(mode)
     if mode == "off":
         return [Protected(t, {}, mode) for t in texts]
     if mode in ("redact", "both"):

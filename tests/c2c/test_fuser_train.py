@@ -1,4 +1,5 @@
-"""Fuser training (edgefuse.c2c.train): pair examples, the loss, training, checkpoints and resume.
+"""Pair examples (edgefuse.c2c.examples) and fuser training (edgefuse.c2c.train): the loss,
+training, checkpoints and resume.
 
 Tiny random-weight models: receiver tiny-llama (3 layers) with sharer tiny-qwen2 (2 layers),
 which share the tiny tokenizer and chat template (alignment one-to-one), and sharer
@@ -14,15 +15,8 @@ import torch.nn.functional as F
 from edgefuse.data import IGNORE_INDEX, format_example, tokenize_example
 from edgefuse.models import tiny_model
 from edgefuse.c2c import C2CFuser, FuserConfig, kv_spec_from_config
-from edgefuse.c2c.train import (
-    PairExample,
-    build_pair_example,
-    build_pair_examples,
-    evaluate_pair,
-    pair_loss,
-    step_indices,
-    train_fuser,
-)
+from edgefuse.c2c.examples import PairExample, build_pair_example, build_pair_examples
+from edgefuse.c2c.train import evaluate_pair, pair_loss, step_indices, train_fuser
 
 ROWS = [
     {"instruction": "Answer the question.", "context": "The quick brown fox.", "response": "The lazy dog."},

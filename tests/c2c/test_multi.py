@@ -25,7 +25,8 @@ from edgefuse.c2c import (
     multi_loss,
     train_gate,
 )
-from edgefuse.c2c.train import build_pair_example, pair_loss
+from edgefuse.c2c.examples import build_pair_example
+from edgefuse.c2c.train import pair_loss
 
 ROWS = [
     {"instruction": "Answer the question.", "context": "The quick brown fox.", "response": "The lazy dog."},

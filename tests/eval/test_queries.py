@@ -14,7 +14,7 @@ from edgefuse.eval.queries import (
     Query, answer_text, choice_token_ids, dolly_eval_queries, greedy_decode, load_mmlu, prefill,
     prompt_split, query_example, rouge_l, score_choices, t2t_hint,
 )
-from edgefuse.c2c.train import build_pair_example
+from edgefuse.c2c.examples import build_pair_example
 
 ARCHS = ["llama", "qwen2", "gemma3_text"]
 
