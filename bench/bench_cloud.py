@@ -10,7 +10,7 @@ prompts (GSM8K test + held-out public Dolly) through real sockets and the encryp
 2. the speculative mode (``--scale-mode``) and cloud-only with 1, 2, 4 and 8 concurrent
    devices at 80 ms (rows with ``sweep: devices``): simulated devices share this process's
    draft model (memory allows one) and run their forward passes batched
-   (:class:`edgefuse.cloud.decoding.decoder.DraftBatcher`, standing in for devices computing in parallel);
+   (:class:`edgefuse.cloud.decoding.DraftBatcher`, standing in for devices computing in parallel);
    what counts is concurrent sessions at the service, which batches their verifications.
 
 Then it checks the issue's targets: round trips per token <= 0.3 (speculative), downlink
@@ -41,7 +41,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from edgefuse.cloud.decoding.decoder import MODES, DecodeConfig  # noqa: E402
+from edgefuse.cloud.decoding import DRAFTERS, MODES, DecodeConfig, DrafterSpec  # noqa: E402
 from edgefuse.cloud.devices import pruned_head, run_devices, summarize, table  # noqa: E402
 from edgefuse.cloud.service import start_service_process, stop_service_process  # noqa: E402
 from edgefuse.cloud.target import tokenizer_fingerprint  # noqa: E402
@@ -76,7 +76,12 @@ def parse_args(argv=None):
     p.add_argument("--dolly", type=int, default=1, help="held-out Dolly prompts per category (8 categories)")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--gamma", type=int, default=None, help="fixed γ (default: adaptive)")
-    p.add_argument("--draft-head", type=int, default=32768, help="frequency-pruned draft head size (0 = full)")
+    p.add_argument("--drafter", default="pruned_head", choices=list(DRAFTERS),
+                   help="what drafts for the speculative modes (default pruned_head)")
+    p.add_argument("--draft-head", type=int, default=32768, help="pruned_head: the head's size N")
+    p.add_argument("--shallow-layers", type=int, default=12, help="shallow: the first L decoder layers")
+    p.add_argument("--ngram-n", type=int, nargs=2, default=[3, 1], metavar=("MAX_N", "MIN_N"),
+                   help="ngram: the longest and shortest suffix prompt lookup matches")
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--max-wait-ms", type=float, default=100.0)
     p.add_argument("--threads", type=int, default=1)
@@ -202,6 +207,11 @@ def plot(result: dict, path: Path) -> Path:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    try:
+        spec = DrafterSpec(args.drafter, args.draft_head, args.shallow_layers, *args.ngram_n)
+    except ValueError as e:
+        print(f"bench_cloud: {e}", file=sys.stderr)
+        return 2
     torch.set_num_threads(args.threads)
     mirror = args.mirror or os.environ.get("EDGEFUSE_DATA_MIRROR") or (
         str(ROOT.parent / "shared" / "data") if (ROOT.parent / "shared" / "data").is_dir() else None)
@@ -221,7 +231,7 @@ def main(argv=None) -> int:
     rows, records_all = [], []
     try:
         model, tok = load_model(args.edge_model)
-        head = pruned_head(model, tok, cfg.data, int(cfg.seed), args.draft_head)
+        head = pruned_head(model, tok, cfg.data, int(cfg.seed), spec.head_size)
         fp = tokenizer_fingerprint(tok)
         dcfg = DecodeConfig(max_new_tokens=args.max_new_tokens, gamma=args.gamma, timeout_s=600)
 
@@ -233,7 +243,7 @@ def main(argv=None) -> int:
             cfg_ = dcfg if gamma is None else DecodeConfig(max_new_tokens=args.max_new_tokens, gamma=gamma,
                                                            timeout_s=600)
             recs, wall = run_devices(model, tok, qs, modes, cfg_, "127.0.0.1", port, wan, devices, fp,
-                                     head=head, progress=progress)
+                                     head=head, progress=progress, drafter=spec)
             got = summarize(recs, wall, tok, rtt, devices, greedy=True)
             for r in got:
                 r["gamma"] = cfg_.gamma
@@ -268,7 +278,10 @@ def main(argv=None) -> int:
     result = {
         "edge_model": args.edge_model, "target_model": args.target_model, "threads": args.threads,
         "prompts": [q.qid for q in queries], "max_new_tokens": args.max_new_tokens,
-        "gamma": args.gamma, "draft_head": args.draft_head, "bandwidth_mbps": args.bandwidth_mbps,
+        "gamma": args.gamma, "drafter": spec.name, "draft_head": spec.head_size,
+        "shallow_layers": spec.shallow_layers if spec.name == "shallow" else None,
+        "ngram_n": [spec.ngram_n, spec.ngram_min_n] if spec.name == "ngram" else None,
+        "bandwidth_mbps": args.bandwidth_mbps,
         "max_batch": args.max_batch, "max_wait_ms": args.max_wait_ms,
         "modes": rows, "targets": targets, "records": records_all,
         "wall_seconds": time.perf_counter() - t_start,

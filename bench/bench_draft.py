@@ -1,10 +1,10 @@
 """Benchmark cheap drafts for device-side speculative decoding against the cloud target.
 
 Draft Qwen2.5-Coder-0.5B-Instruct (device), target Qwen2.5-Coder-1.5B-Instruct (cloud), both
-fp32. Variants of the draft (see ``cloud/draft.py``): the full LM head; frequency-pruned
-heads (FR-Spec) keeping the N most frequent ids of a public corpus; shallow drafts (first L
-layers + final norm + head, with the full or a pruned head); prompt-lookup n-grams. For
-each it measures
+fp32. Variants of the draft (the drafters of ``edgefuse/cloud/decoding/drafters.py``): the
+full LM head; frequency-pruned heads (FR-Spec) keeping the N most frequent ids of a public
+corpus; shallow drafts (first L layers + final norm + head, with the full or a pruned head);
+prompt-lookup n-grams. For each it measures
 
 - the draft cost per token (ms, median over single-token steps over a KV cache), next to
   the target's cost per token and its cost to verify a block of gamma+1 tokens in one
@@ -237,13 +237,13 @@ def meta_layers(variants, name):
 
 
 def ngram_matches(drafter, prompts, conts) -> list[list[bool]]:
-    return [[drafter.propose(p["ids"] + y[:i], 1) == [y[i]] for i in range(len(y))]
+    return [[drafter.lookup(p["ids"] + y[:i], 1) == [y[i]] for i in range(len(y))]
             for p, y in zip(prompts, conts)]
 
 
 def time_drafts(variants, drafter, prompts, conts, steps: int, gamma: int) -> dict[str, dict]:
     """Per-token draft cost, round-robin over the variants at every step (same input token,
-    the target's, for all), so drift of the machine hits all alike. N-gram: one ``propose``
+    the target's, for all), so drift of the machine hits all alike. N-gram: one ``lookup``
     of ``gamma`` tokens, divided by ``gamma``."""
     import torch
     from transformers import DynamicCache
@@ -266,7 +266,7 @@ def time_drafts(variants, drafter, prompts, conts, steps: int, gamma: int) -> di
                         ms[v["name"]].append(1e3 * (time.perf_counter() - t0))
                 ctx = p["ids"] + y[:i]
                 t0 = time.perf_counter()
-                drafter.propose(ctx, gamma)
+                drafter.lookup(ctx, gamma)
                 ms["ngram"].append(1e3 * (time.perf_counter() - t0) / gamma)
     return {k: {"ms_per_token": statistics.median(v), "p90_ms": _quantile(v, 0.9), "steps": len(v)}
             for k, v in ms.items()}
@@ -563,7 +563,7 @@ def main(argv=None) -> int:
             for v in variants]
 
     def lookup(d):
-        return lambda k, i, g: d.propose(prompts[k]["ids"] + conts[k][:i], g)
+        return lambda k, i, g: d.lookup(prompts[k]["ids"] + conts[k][:i], g)
 
     rows.append(variant_row("ngram", "ngram", None, None, ngram_seq, t_draft=0.0,
                             ngram=lookup(drafter), **common))
@@ -574,7 +574,7 @@ def main(argv=None) -> int:
     for k, (p, y) in enumerate(zip(prompts, conts)):
         seq = []
         for i in range(len(y)):
-            prop = hyb.propose(p["ids"] + y[:i], 1)
+            prop = hyb.lookup(p["ids"] + y[:i], 1)
             seq.append(prop == [y[i]] if prop else matches[base][k][i])
         hyb_seq.append(seq)
     rows.append(variant_row(f"ngram{args.hybrid_min_n}+{base}", "hybrid", meta_keep(variants, base),

@@ -136,7 +136,7 @@ def _cloud(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.cmd == "generate":
         from edgefuse.cloud.chat import run
-        from edgefuse.cloud.decoding.decoder import DecodeError
+        from edgefuse.cloud.decoding import DecodeError
         from edgefuse.models import ModelFetchError, ModelSpecError
 
         from edgefuse.cloud.protocol import RemoteError

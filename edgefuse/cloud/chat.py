@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from edgefuse.cloud.decoding.decoder import MODES, DecodeConfig, DecodeResult, Decoder, EdgeLM
+from edgefuse.cloud.decoding import MODES, DecodeConfig, DecodeResult, Decoder, EdgeLM
 from edgefuse.cloud.fusion import FusionConfig
 from edgefuse.cloud.target import tokenizer_fingerprint
 

@@ -3,7 +3,7 @@
 Shared by the main job (the device's ``query.decode`` handler, :mod:`edgefuse.app.handlers.decoding`),
 ``bench/bench_cloud.py`` and ``edgefuse cloud generate``. One *device* here is one session
 at the cloud service: its own :class:`~edgefuse.cloud.link.CloudLink` and its own KV cache
-(:class:`~edgefuse.cloud.decoding.decoder.EdgeLM`); simulated devices in one process share the edge model's
+(:class:`~edgefuse.cloud.decoding.EdgeLM`) and drafter; simulated devices in one process share the edge model's
 weights, which is what memory allows. For each mode, all devices decode their share of the
 prompts at the same time, so the service batches their requests.
 """
@@ -19,13 +19,14 @@ import numpy as np
 from edgefuse.transport.wan import WanProfile
 from edgefuse.eval.queries import Query, gsm8k_final, prompt_split, rouge_l
 
-from edgefuse.cloud.decoding.decoder import MODES, DecodeConfig, DecodeResult, Decoder, DraftBatcher, EdgeLM
+from edgefuse.cloud.decoding import (MODES, DecodeConfig, DecodeResult, Decoder, DraftBatcher, DrafterSpec,
+                                     EdgeLM, drafter_factory)
 
 ROW_FIELDS = ("mode", "rtt_ms", "devices", "tokens_per_s", "aggregate_tokens_per_s",
               "round_trips_per_token", "bytes_down_per_token", "bytes_up_per_token",
               "acceptance_rate", "identical_to_target", "agreement_with_target", "ms_per_token",
               "gsm8k_exact_match", "rouge_l", "new_tokens", "deadline_misses", "fallbacks",
-              "edge_weight_mean", "prompts")
+              "edge_weight_mean", "prompts", "drafter")
 
 
 def prompt_ids(query: Query, tok, max_prompt_tokens: int) -> list[int]:
@@ -88,21 +89,28 @@ def run_devices(model, tok, queries: list[Query], modes: list[str], cfg: DecodeC
                 host: str | None, port: int | None, wan: WanProfile | None, devices: int,
                 fingerprint: str, max_prompt_tokens: int = 256, head=None,
                 connect_timeout_s: float = 30.0, progress=None,
-                batch_devices: bool = True) -> tuple[list[Record], dict[str, float]]:
+                batch_devices: bool = True,
+                drafter: DrafterSpec | None = None) -> tuple[list[Record], dict[str, float]]:
     """Decode every query in every mode with ``devices`` concurrent sessions.
 
     Queries are dealt round-robin to the devices; modes run one after another, each with all
     devices at once. Each device opens one link (``wan`` emulated, seeded per device) and
     keeps it for all modes. ``progress(mode, done, total)`` is called after each generation.
     ``batch_devices``: the simulated devices' forward passes run batched
-    (:class:`~edgefuse.cloud.decoding.decoder.DraftBatcher`), standing in for devices computing in parallel.
+    (:class:`~edgefuse.cloud.decoding.DraftBatcher`), standing in for devices computing in parallel.
+    ``drafter``: what the speculative modes draft with (each device gets its own,
+    :func:`~edgefuse.cloud.decoding.drafter_factory`); ``head`` is the pruned head it needs
+    (:func:`pruned_head` of ``drafter.head_size``). None: the pruned ``head`` if one is
+    given, else the full head.
 
     Returns:
         ``(records, wall_s)``: one :class:`Record` per (query, mode), and the wall time of
         each mode's phase (seconds), for aggregate throughput.
 
     Raises:
-        ValueError: ``devices < 1`` or an unknown mode; ``edgefuse.cloud.link.CloudUnavailable`` when
+        ValueError: ``devices < 1``, an unknown mode or a drafter that cannot be built (a
+            ``pruned_head`` without ``head``, too many ``shallow_layers``);
+            ``edgefuse.cloud.link.CloudUnavailable`` when
             a link mode is asked for and the service cannot be reached at all.
     """
     from edgefuse.cloud.link import CloudLink
@@ -114,23 +122,27 @@ def run_devices(model, tok, queries: list[Query], modes: list[str], cfg: DecodeC
         raise ValueError(f"unknown decoding modes {unknown}; choose from {', '.join(MODES)}")
     need_link = any(m != "edge" for m in modes)
     prompts = [prompt_ids(q, tok, max_prompt_tokens) for q in queries]
-    links = []
-    if need_link:
-        for d in range(devices):
-            prof = None if wan is None else WanProfile(wan.rtt_ms, wan.bandwidth_mbps, wan.jitter_ms,
-                                                       wan.loss, seed=wan.seed + d)
-            links.append(CloudLink.connect(host, port, wan=prof, timeout_s=connect_timeout_s))
-    rtt = wan.rtt_ms if wan is not None else 1.0
     batcher = None
     if batch_devices and devices > 1:
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         batcher = DraftBatcher(model, int(pad or 0))
-    decoders = [Decoder(EdgeLM(model, tok, head=head, batcher=batcher), links[d] if links else None,
-                        fingerprint, rtt_ms=rtt) for d in range(devices)]
+    if drafter is None:
+        drafter = DrafterSpec("pruned_head" if head is not None else "full_head")
+    make_drafter = drafter_factory(drafter, head)
+    edges = [EdgeLM(model, tok, batcher=batcher) for _ in range(devices)]
+    drafters = [make_drafter(e) for e in edges]  # before any link: a bad drafter leaks none
+    rtt = wan.rtt_ms if wan is not None else 1.0
+    links = []
     records: list[Record] = []
     wall: dict[str, float] = {}
     lock = threading.Lock()
     try:
+        for d in range(devices if need_link else 0):
+            prof = None if wan is None else WanProfile(wan.rtt_ms, wan.bandwidth_mbps, wan.jitter_ms,
+                                                       wan.loss, seed=wan.seed + d)
+            links.append(CloudLink.connect(host, port, wan=prof, timeout_s=connect_timeout_s))
+        decoders = [Decoder(e, links[d] if links else None, fingerprint, rtt_ms=rtt, drafter=drafters[d])
+                    for d, e in enumerate(edges)]
         for mode in modes:
             done = [0]
             errors: list[BaseException] = []
@@ -180,7 +192,8 @@ def summarize(records: list[Record], wall: dict[str, float], tok, rtt_ms: float,
     ``tokens_per_s`` is the mean of the sessions' own rates, ``aggregate_tokens_per_s`` all
     tokens over the mode's wall time. Agreement and identity compare each generation with
     the ``cloud`` mode's on the same prompt (``None`` without a ``cloud`` run;
-    ``identical_to_target`` only for greedy decoding)."""
+    ``identical_to_target`` only for greedy decoding); ``drafter``: the drafter of the mode's
+    drafting generations (``spec_sync`` / ``spec_async``; None for the other modes)."""
     by_mode: dict[str, list[Record]] = {}
     for r in records:
         by_mode.setdefault(r.mode, []).append(r)
@@ -195,6 +208,7 @@ def summarize(records: list[Record], wall: dict[str, float], tok, rtt_ms: float,
         gsm = [r for r in recs if r.kind == "gsm8k"]
         dolly = [r for r in recs if r.kind == "dolly"]
         weights = [x.edge_weight_mean for x in res if x.edge_weight_mean is not None]
+        drafters = sorted({x.drafter for x in res if x.drafter})
         rows.append({
             "mode": mode, "rtt_ms": rtt_ms, "devices": devices,
             "tokens_per_s": float(np.mean([x.tokens_per_s for x in res])),
@@ -215,6 +229,7 @@ def summarize(records: list[Record], wall: dict[str, float], tok, rtt_ms: float,
             "fallbacks": sum(x.fallback is not None for x in res),
             "edge_weight_mean": float(np.mean(weights)) if weights else None,
             "prompts": len(recs),
+            "drafter": ",".join(drafters) or None,
         })
     order = {m: i for i, m in enumerate(MODES)}
     return sorted(rows, key=lambda r: order.get(r["mode"], 99))

@@ -15,14 +15,14 @@ from omegaconf import OmegaConf
 
 import edgefuse.cloud.protocol as P
 from edgefuse.cloud import wire
-from edgefuse.cloud.decoding.decoder import DecodeConfig, DecodeError, Decoder, EdgeLM, auth_from_config, decode_config
+from edgefuse.cloud.decoding import DecodeConfig, DecodeError, Decoder, EdgeLM, auth_from_config, decode_config
 from edgefuse.cloud.link import CloudLink
 from edgefuse.cloud.service import CloudService
 from edgefuse.cloud.speculative import verify_greedy
 from edgefuse.cloud.target import Target, tokenizer_fingerprint
 from edgefuse.models import tiny_model
 from edgefuse.transport.crypto import derive_session, generate_keypair, new_session_id
-from tests.cloud.test_decode import DirectLink
+from tests.cloud.conftest import DirectLink
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = [5, 17, 33, 60, 91, 7, 200, 11, 42]

@@ -8,24 +8,20 @@ import time
 import pytest
 import torch
 
-from edgefuse.cloud.decoding.decoder import MODES, DecodeConfig, Decoder, EdgeLM
-from edgefuse.cloud.devices import run_devices, summarize
+from edgefuse.cloud.decoding import MODES, DecodeConfig, Decoder, DrafterSpec, EdgeLM
+from edgefuse.cloud.devices import prompt_ids, run_devices, summarize
 from edgefuse.cloud.fusion import FusionConfig
 from edgefuse.cloud.link import CloudLink
-from edgefuse.cloud.service import CloudService
-from edgefuse.cloud.target import Target
+from edgefuse.eval.queries import Query
 from edgefuse.models import tiny_model
 from edgefuse.transport.wan import WanProfile
-from edgefuse.eval.queries import Query
+from tests.cloud.conftest import perturbed_copy, target_greedy
 
 
 @pytest.fixture
-def service():
+def service(start_service):
     target, tok = tiny_model("qwen2", seed=1)
-    svc = CloudService(Target(target, tok, "tiny-target"), "127.0.0.1", 0, max_batch=8, max_wait_ms=20)
-    svc.start_in_thread()
-    yield svc, target, tok
-    svc.stop()
+    return start_service(target, tok, max_batch=8, max_wait_ms=20), target, tok
 
 
 def _edge(tok):
@@ -33,12 +29,6 @@ def _edge(tok):
     edge = EdgeLM(model, tok)
     edge.eos_ids = set()  # random weights: always generate the full length
     return edge
-
-
-def _greedy(model, prompt, n):
-    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                         max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def test_two_devices_in_every_mode_through_the_service(service):
@@ -58,11 +48,30 @@ def test_two_devices_in_every_mode_through_the_service(service):
         time.sleep(0.05)
     assert svc.stats()["sessions_open"] == 0
     # every cloud-mode output is the target's own greedy continuation
-    from edgefuse.cloud.devices import prompt_ids
     for r in recs:
         if r.mode == "cloud":
             q = next(q for q in queries if q.qid == r.qid)
-            assert r.result.tokens == _greedy(target, prompt_ids(q, tok, 64), 6)
+            assert r.result.tokens == target_greedy(target, prompt_ids(q, tok, 64), 6)
+    assert rows["spec_sync"]["drafter"] == "full_head" and rows["cloud"]["drafter"] is None
+
+
+@pytest.mark.parametrize("name", ["shallow", "ngram"])
+def test_configured_drafter_on_batched_devices_through_the_service(service, name):
+    """run_devices gives each of two batched devices its own drafter of the spec (the shallow
+    view and its batcher shared); speculative output stays the target's, the rows name it."""
+    svc, target, tok = service
+    model = perturbed_copy(target, 0.1)
+    queries = [Query(qid=f"dolly/{i}", kind="dolly", instruction=f"repeat item {i} item {i} item {i}",
+                     context="", choices=None, answer=None, reference="", category="c") for i in range(2)]
+    recs, wall = run_devices(model, tok, queries, ["cloud", "spec_sync", "spec_async"],
+                             DecodeConfig(max_new_tokens=12), "127.0.0.1", svc.port, WanProfile(5.0, 100.0),
+                             2, svc.target.fingerprint, max_prompt_tokens=64,
+                             drafter=DrafterSpec(name, shallow_layers=1))
+    rows = {r["mode"]: r for r in summarize(recs, wall, tok, 5.0, 2, greedy=True)}
+    assert rows["spec_sync"]["identical_to_target"] and rows["spec_async"]["identical_to_target"]
+    assert rows["spec_sync"]["drafter"] == rows["spec_async"]["drafter"] == name
+    assert all(r.result.drafter == name for r in recs if r.mode.startswith("spec"))
+    assert rows["spec_sync"]["acceptance_rate"] is not None
 
 
 @pytest.mark.parametrize("mode", ["spec_sync", "spec_async", "fusion_adaptive"])
@@ -104,7 +113,7 @@ def test_late_cloud_answers_meet_the_deadline_path(service):
 
 
 @pytest.mark.integration
-def test_real_smollm2_speculative_is_lossless_and_fusion_runs():
+def test_real_smollm2_speculative_is_lossless_and_fusion_runs(start_service):
     """Real weights (SmolLM2-135M, the model CI already fetches): the cloud serves the base
     model, the device drafts with a LoRA-perturbed copy (so drafts are sometimes rejected);
     greedy speculative output equals the base model's own greedy continuation."""
@@ -113,34 +122,30 @@ def test_real_smollm2_speculative_is_lossless_and_fusion_runs():
 
     torch.manual_seed(0)
     target, tok = load_model("smollm2-135m")
-    svc = CloudService(Target(target, tok, "smollm2-135m"), "127.0.0.1", 0)
-    svc.start_in_thread()
-    try:
-        base, _ = load_model("smollm2-135m")
-        draft = attach_lora(base, rank=8, alpha=16, dropout=0.0, target_modules=["q_proj", "v_proj"], seed=0)
-        with torch.no_grad():  # a visible but small perturbation of the draft
-            for name, p in draft.named_parameters():
-                if "lora_B" in name:
-                    p.normal_(0, 0.02)
-        prompt = tok.apply_chat_template([{"role": "user", "content": "Name three primary colours."}],
-                                         add_generation_prompt=True, tokenize=True)
-        prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
-        edge = EdgeLM(draft, tok)
-        link = CloudLink.connect("127.0.0.1", svc.port)
-        dec = Decoder(edge, link, svc.target.fingerprint)
-        cfg = DecodeConfig(max_new_tokens=16)
-        want = target.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
-                               attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0, len(prompt):].tolist()
-        cut = next((i for i, t in enumerate(want) if t in edge.eos_ids), len(want))
-        want = want[:cut]  # the decoder stops at the end of turn and does not return it
-        assert len(want) >= 4
-        for mode in ("spec_sync", "spec_async"):
-            res = dec.generate(mode, prompt, cfg)
-            assert res.tokens == want and res.fallback is None
-            assert 0 < res.acceptance_rate <= 1 and res.round_trips < len(res.tokens)
-        fused = dec.generate("fusion_adaptive", prompt, cfg)
-        assert fused.fallback is None and fused.round_trips == len(fused.tokens) + (len(fused.tokens) < 16)
-        assert 0 < fused.edge_weight_mean < 1
-        link.close()
-    finally:
-        svc.stop()
+    svc = start_service(target, tok, "smollm2-135m")
+    base, _ = load_model("smollm2-135m")
+    draft = attach_lora(base, rank=8, alpha=16, dropout=0.0, target_modules=["q_proj", "v_proj"], seed=0)
+    with torch.no_grad():  # a visible but small perturbation of the draft
+        for name, p in draft.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Name three primary colours."}],
+                                     add_generation_prompt=True, tokenize=True)
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    edge = EdgeLM(draft, tok)
+    link = CloudLink.connect("127.0.0.1", svc.port)
+    dec = Decoder(edge, link, svc.target.fingerprint)
+    cfg = DecodeConfig(max_new_tokens=16)
+    want = target.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
+                           attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0, len(prompt):].tolist()
+    cut = next((i for i, t in enumerate(want) if t in edge.eos_ids), len(want))
+    want = want[:cut]  # the decoder stops at the end of turn and does not return it
+    assert len(want) >= 4
+    for mode in ("spec_sync", "spec_async"):
+        res = dec.generate(mode, prompt, cfg)
+        assert res.tokens == want and res.fallback is None
+        assert 0 < res.acceptance_rate <= 1 and res.round_trips < len(res.tokens)
+    fused = dec.generate("fusion_adaptive", prompt, cfg)
+    assert fused.fallback is None and fused.round_trips == len(fused.tokens) + (len(fused.tokens) < 16)
+    assert 0 < fused.edge_weight_mean < 1
+    link.close()

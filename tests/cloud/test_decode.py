@@ -1,7 +1,8 @@
-"""Collaborative decoding on tiny random models: losslessness, fusion, deadlines, fallback.
+"""Collaborative decoding on tiny random models: losslessness for every drafter, fusion,
+deadlines, fallback, the drafter's selection by config.
 
 The link here is in-process (``DirectLink``: the real protocol encoding and the real
-``Target``, no socket), so these tests isolate the decoding logic; tests/test_cloud_service.py
+``Target``, no socket), so these tests isolate the decoding logic; tests/cloud/test_cloud_service.py
 covers the socket, the crypto and the batching service.
 """
 
@@ -14,76 +15,21 @@ import pytest
 import torch
 
 import edgefuse.cloud.protocol as P
-from edgefuse.cloud.decoding.decoder import DecodeConfig, DecodeError, Decoder, EdgeLM, MODES
+from edgefuse.cloud.decoding import (DRAFTERS, MODES, DecodeConfig, DecodeError, Decoder, DraftBatcher,
+                                     DraftHead, DrafterSpec, EdgeLM, FullHeadDrafter, PrunedHeadDrafter,
+                                     ShallowDrafter, check_config, drafter_factory, drafter_spec)
 from edgefuse.cloud.fusion import FusionConfig, cloud_logprobs, fuse
 from edgefuse.cloud.speculative import (GammaController, expected_tokens_per_block, sparse_q,
                                verify_greedy, verify_sampled)
-from edgefuse.cloud.target import SessionError, Target, tokenizer_fingerprint
+from edgefuse.cloud.target import Target, tokenizer_fingerprint
+from edgefuse.config import ConfigError, compose
 from edgefuse.models import tiny_model
+from tests.cloud.conftest import DirectLink, perturbed_copy, target_greedy
 
 
-class DirectLink:
-    """The device end of the protocol without a socket: messages are encoded and decoded
-    exactly as on the wire and answered by a real :class:`Target` (one session)."""
-
-    def __init__(self, target: Target, fail_after: int | None = None, lag: bool = False):
-        self.target, self.session = target, None
-        self.inbox: collections.deque = collections.deque()
-        self.bytes_up = self.bytes_down = self.round_trips = 0
-        self.fail_after, self.sent = fail_after, 0
-        self.lag = lag  # a slow cloud: each TOPK shows up only after the next request
-        self.held = None
-
-    def _deliver(self, msg):
-        data = P.encode(msg)
-        self.bytes_up += len(data)
-        self.sent += 1
-        if self.fail_after is not None and self.sent > self.fail_after:
-            raise ConnectionError("cloud went away")
-        msg = P.decode(data)
-        if isinstance(msg, P.Close):
-            self.target.close(self.session)
-            return
-        if isinstance(msg, P.Open):
-            try:
-                self.session = self.target.open(msg)
-                reply = P.Opened(self.target.name, self.target.fingerprint, self.target.context_len)
-            except SessionError as exc:
-                reply = P.Error(exc.code, str(exc))
-        else:
-            (reply,) = self.target.step([(self.session, msg)])
-        out = P.encode(reply)
-        self.bytes_down += len(out)
-        if self.held is not None:
-            self.inbox.append(self.held)
-            self.held = None
-        if self.lag and isinstance(reply, P.TopK):
-            self.held = P.decode(out)
-        else:
-            self.inbox.append(P.decode(out))
-
-    def send(self, msg):
-        self._deliver(msg)
-
-    def count_round_trip(self):
-        self.round_trips += 1
-
-    def recv(self, timeout_s=None):
-        if not self.inbox:
-            raise TimeoutError("no reply yet")
-        msg = self.inbox.popleft()
-        if isinstance(msg, P.Error):
-            raise P.RemoteError(msg.code, msg.message)
-        return msg
-
-    def request(self, msg, timeout_s=None):
-        self.round_trips += 1
-        self.send(msg)
-        return self.recv(timeout_s)
-
-    def open(self, prompt, fingerprint, temperature=0.0, top_k=0, seed=0, max_new=256):
-        self.send(P.Open(prompt, fingerprint, temperature, top_k, seed, max_new))
-        return self.recv()
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_thread):
+    """Every test of this module on one torch thread (see conftest)."""
 
 
 @pytest.fixture(scope="module")
@@ -92,12 +38,6 @@ def pair():
     target, tok2 = tiny_model("qwen2", seed=1)
     assert tokenizer_fingerprint(tok) == tokenizer_fingerprint(tok2)
     return draft, target, tok
-
-
-def _target_greedy(model, prompt, n):
-    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                         max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [40, 41, 42], [100, 7, 100, 7, 100, 7, 100, 7]]
@@ -114,7 +54,7 @@ def test_greedy_speculative_equals_target(pair, mode, gamma):
     for prompt in PROMPTS:
         link = DirectLink(T)
         res = Decoder(edge, link, T.fingerprint).generate(mode, prompt, cfg)
-        assert res.tokens == _target_greedy(target, prompt, 12)
+        assert res.tokens == target_greedy(target, prompt, 12)
         assert res.fallback is None
         if mode == "cloud":
             assert res.round_trips == 12 and res.drafted == 0
@@ -132,7 +72,7 @@ def test_self_draft_accepts_everything(pair):
         "spec_sync", PROMPTS[0], DecodeConfig(max_new_tokens=16, gamma=3))
     assert res.acceptance_rate == 1.0
     assert res.round_trips == 4  # 16 tokens / (3 drafted + 1 bonus)
-    assert res.tokens == _target_greedy(target, PROMPTS[0], 16)
+    assert res.tokens == target_greedy(target, PROMPTS[0], 16)
 
 
 def test_async_hides_drafting_behind_the_round_trip(pair):
@@ -144,7 +84,7 @@ def test_async_hides_drafting_behind_the_round_trip(pair):
     edge.eos_ids = set()
     res = Decoder(edge, DirectLink(T), T.fingerprint).generate(
         "spec_async", PROMPTS[1], DecodeConfig(max_new_tokens=20, gamma=4))
-    assert res.tokens == _target_greedy(target, PROMPTS[1], 20)
+    assert res.tokens == target_greedy(target, PROMPTS[1], 20)
     assert res.acceptance_rate == 1.0
 
 
@@ -225,7 +165,7 @@ def test_fusion_decodes_and_weight_one_is_edge_only(pair):
     assert res.tokens == alone.tokens and res.round_trips == 8
     res0 = Decoder(edge, DirectLink(T), T.fingerprint).generate(
         "fusion_static", PROMPTS[0], DecodeConfig(max_new_tokens=8, fusion=FusionConfig(weight=0.0)))
-    assert res0.tokens == _target_greedy(target, PROMPTS[0], 8)  # cloud top-1 wins at w = 0
+    assert res0.tokens == target_greedy(target, PROMPTS[0], 8)  # cloud top-1 wins at w = 0
     assert res0.bytes_down_per_token < 200
 
 
@@ -302,8 +242,6 @@ def test_draft_batcher_runs_simulated_devices_together_with_unchanged_outputs(pa
     and each device's greedy output equals what it generates alone."""
     import threading
 
-    from edgefuse.cloud.decoding.decoder import DraftBatcher
-
     draft, _, tok = pair
     prompts = [[5, 6, 7, 8, 9, 10], [40, 41, 42], [100, 7, 100, 7, 100]]
     alone = []
@@ -350,3 +288,163 @@ def test_a_bad_job_does_not_cost_the_batch(pair):
                             (bad, P.Verify(2, 3, [4], q_ids, np.array([[0.5, 0.5]])))])
     assert isinstance(r_good, P.Verified) and len(good.tokens) == 4
     assert isinstance(r_bad, P.Error) and r_bad.code == "protocol" and len(bad.tokens) == 3
+
+
+# ------------------------------------------------------------------ every drafter through the loop
+
+DRAFT_TOKENS = 24  # long enough for the target's output to repeat, so prompt lookup hits
+
+
+@pytest.fixture(scope="module")
+def perturbed(pair):
+    """(target, a perturbed copy of it as the edge model, tokenizer): the edge's greedy
+    tokens agree with the target's often, not always."""
+    _, target, tok = pair
+    return target, perturbed_copy(target, 0.1), tok
+
+
+def _drafter(name: str, edge: EdgeLM):
+    """The ``name`` drafter over ``edge`` as the main job builds it (a head of every other id,
+    one shallow layer of the tiny model's two, prompt lookup of 3- to 1-grams)."""
+    spec = DrafterSpec(name, shallow_layers=1, ngram_n=3, ngram_min_n=1)
+    head = DraftHead(edge.model, torch.arange(0, edge.vocab_size, 2)) if spec.head_size else None
+    return drafter_factory(spec, head)(edge)
+
+
+@pytest.mark.parametrize("name", list(DRAFTERS))
+def test_every_drafter_is_lossless_greedy_with_partial_acceptance(perturbed, name):
+    """For each drafter, sync (adaptive and fixed γ) and async speculative output equals the
+    target's greedy continuation, and some but not all drafts are accepted (so both the
+    accept and the reject-and-rollback paths ran)."""
+    target, edge_model, tok = perturbed
+    T = Target(target, tok, "t")
+    edge = EdgeLM(edge_model, tok)
+    edge.eos_ids = set()
+    drafter = _drafter(name, edge)
+    assert type(drafter) is DRAFTERS[name] and drafter.name == name
+    dec = Decoder(edge, None, T.fingerprint, drafter=drafter)
+    accepted = drafted = 0
+    for prompt in PROMPTS:
+        want = target_greedy(target, prompt, DRAFT_TOKENS)
+        for mode, gamma in (("spec_sync", None), ("spec_sync", 3), ("spec_async", 3)):
+            dec.link = DirectLink(T)
+            res = dec.generate(mode, prompt, DecodeConfig(max_new_tokens=DRAFT_TOKENS, gamma=gamma))
+            assert res.tokens == want, (mode, gamma)
+            assert res.fallback is None and res.drafter == name
+            assert res.round_trips == res.blocks < DRAFT_TOKENS or res.accepted == 0
+            accepted, drafted = accepted + res.accepted, drafted + res.drafted
+    assert 0 < accepted < drafted, (accepted, drafted)
+
+
+SAMPLED_T = 0.03  # peaked target: p's top tokens hold ~0.4, 0.14, 0.13, ...
+SAMPLED_PROMPT = {"ngram": [100, 7, 100, 7, 100]}  # prompt lookup proposes 7 here; others [40, 41, 42]
+
+
+def _tv_on_top(counts: collections.Counter, n: int, p: torch.Tensor, k: int = 8) -> float:
+    """Total variation between the empirical distribution (``counts`` of ``n`` draws) and
+    ``p``, on ``p``'s top ``k`` ids and the rest lumped together."""
+    top = torch.topk(p, k).indices.tolist()
+    emp = np.array([counts[t] / n for t in top])
+    ref = p[top].numpy()
+    return 0.5 * (np.abs(emp - ref).sum() + abs((1 - emp.sum()) - (1 - ref.sum())))
+
+
+@pytest.mark.parametrize("name", list(DRAFTERS))
+def test_every_drafter_keeps_the_target_distribution_when_sampling(perturbed, name):
+    """At temperature 0.03, over 300 seeds, the first committed token is distributed as the
+    target's p (total variation < 0.12), although the drafter's own q is far from p (> 0.2:
+    had the cloud accepted every draft, the test would fail)."""
+    target, edge_model, tok = perturbed
+    prompt = SAMPLED_PROMPT.get(name, [40, 41, 42])
+    T = Target(target, tok, "t")
+    edge = EdgeLM(edge_model, tok)
+    edge.eos_ids = set()
+    drafter = _drafter(name, edge)
+    with torch.no_grad():
+        p = torch.softmax(target(torch.tensor([prompt])).logits[0, -1].double() / SAMPLED_T, -1)
+    drafter.start(prompt)
+    d = drafter.propose(1, SAMPLED_T, 32, torch.Generator().manual_seed(0))
+    q_ids, q = sparse_q(*d.q[0])
+    q_full = torch.zeros_like(p)
+    q_full[q_ids] = q
+    assert 0.5 * float((p - q_full).abs().sum()) > 0.2
+    dec = Decoder(edge, None, T.fingerprint, drafter=drafter)
+    counts, n, drafted = collections.Counter(), 300, 0
+    for seed in range(n):
+        dec.link = DirectLink(T)
+        res = dec.generate("spec_sync", prompt, DecodeConfig(max_new_tokens=2, temperature=SAMPLED_T,
+                                                             seed=seed, gamma=1, draft_topk=32))
+        counts[res.tokens[0]] += 1
+        drafted += res.drafted
+    assert drafted >= n  # every generation verified a draft at its first position
+    assert _tv_on_top(counts, n, p) < 0.12
+
+
+def test_a_drafter_keeps_its_own_state_and_the_edge_takes_over_on_fallback(perturbed):
+    """A shallow drafter has its own cache: the edge model is not run while it drafts, and
+    when the cloud goes away the edge carries on from the committed ids, as it would alone."""
+    target, edge_model, tok = perturbed
+    T = Target(target, tok, "t")
+    edge = EdgeLM(edge_model, tok)
+    edge.eos_ids = set()
+    drafter = ShallowDrafter.of(edge_model, tok, 1)
+    prompt = PROMPTS[0]
+    res = Decoder(edge, DirectLink(T), T.fingerprint, drafter=drafter).generate(
+        "spec_sync", prompt, DecodeConfig(max_new_tokens=8, gamma=2))
+    assert res.tokens == target_greedy(target, prompt, 8) and edge.tokens == []  # never started
+    res = Decoder(edge, DirectLink(T, fail_after=3), T.fingerprint, drafter=drafter).generate(
+        "spec_sync", prompt, DecodeConfig(max_new_tokens=10, gamma=2))  # OPEN, 2 VERIFY, gone
+    assert len(res.tokens) == 10 and res.fallback and "edge only" in res.fallback
+    k = res.accepted + res.blocks  # tokens the two answered blocks committed
+    assert res.blocks == 2 and res.tokens[:k] == target_greedy(target, prompt, k)
+    alone = EdgeLM(edge_model, tok)
+    alone.eos_ids = set()
+    rest = Decoder(alone).generate("edge", prompt + res.tokens[:k], DecodeConfig(max_new_tokens=10 - k))
+    assert res.tokens[k:] == rest.tokens and edge.tokens == prompt + res.tokens
+    assert drafter.tokens[:len(prompt) + k] == prompt + res.tokens[:k]
+
+
+def test_the_default_drafter_follows_the_edge_head(pair):
+    draft, _, tok = pair
+    assert isinstance(Decoder(EdgeLM(draft, tok)).drafter, FullHeadDrafter)
+    head = DraftHead(draft, torch.arange(10))
+    d = Decoder(EdgeLM(draft, tok, head=head)).drafter
+    assert isinstance(d, PrunedHeadDrafter) and d.head is head
+
+
+def test_drafter_selected_by_config_and_bad_settings_refused():
+    cfg = compose("tiny", ["cloud.decode.drafter=shallow", "cloud.decode.shallow_layers=1"])
+    check_config(cfg)
+    assert drafter_spec(cfg.cloud) == DrafterSpec("shallow", 32768, 1, 3, 1)
+    assert drafter_spec(compose("tiny").cloud).name == "pruned_head"  # the default
+    spec = drafter_spec(compose("tiny", ["cloud.decode.drafter=ngram", "cloud.decode.ngram_n=4",
+                                         "cloud.decode.ngram_min_n=2"]).cloud)
+    assert (spec.name, spec.ngram_n, spec.ngram_min_n, spec.head_size) == ("ngram", 4, 2, 0)
+    assert DrafterSpec("pruned_head", draft_head=512).head_size == 512
+    with pytest.raises(ConfigError, match="cloud.decode.drafter 'telepathy' is unknown: choose from") as e:
+        check_config(compose("tiny", ["cloud.decode.drafter=telepathy"]))
+    assert set(DRAFTERS) == {"pruned_head", "full_head", "shallow", "ngram"}
+    assert all(n in str(e.value) for n in DRAFTERS)
+    for bad, match in ((["cloud.decode.shallow_layers=0"], "shallow_layers"),
+                       (["cloud.decode.ngram_n=1", "cloud.decode.ngram_min_n=2"], "ngram_min_n"),
+                       (["cloud.decode.draft_head=0"], "full_head"),
+                       (["cloud.decode.ngram_n=2.5"], "integer")):
+        with pytest.raises(ConfigError, match=match):
+            check_config(compose("tiny", bad))
+    with pytest.raises(DecodeError, match="unknown"):
+        drafter_spec(compose("tiny", ["cloud.decode.drafter=medusa"]).cloud)
+    with pytest.raises(ValueError, match="needs its DraftHead"):
+        drafter_factory(DrafterSpec("pruned_head"))(EdgeLM(*tiny_model("qwen2")))
+
+
+def test_decode_result_comes_back_from_its_record():
+    """A decoding record (summary + tokens, as the device replies) gives the result back:
+    counters and drafter kept, derived figures recomputed, unknown keys ignored."""
+    from edgefuse.cloud.decoding import DecodeResult
+
+    res = DecodeResult("spec_sync", [4, 5, 6, 7], text="abcd", decode_s=2.0, round_trips=2, drafted=6,
+                       accepted=3, blocks=2, bytes_up=90, drafter="ngram")
+    back = DecodeResult.from_dict({**res.summary(), "tokens": [4, 5, 6, 7], "qid": "dolly/1"})
+    assert back == res
+    assert back.acceptance_rate == 0.5 and back.tokens_per_s == 2.0 and back.bytes_up_per_token == 22.5
+    assert DecodeResult.from_dict({"mode": "edge", "tokens": [1]}).drafter is None  # an older record

@@ -3,6 +3,8 @@
 The device opens its own encrypted link(s) to the service named in the message
 (:mod:`edgefuse.cloud.link`); its model keeps the LoRA adapter the message carried, which never
 leaves the device. ``cloud.devices`` sessions run at once, sharing this model's weights.
+The speculative modes draft with the configured drafter (``cloud.decode.drafter``,
+:func:`device_drafter`).
 
 Privacy: every prompt is protected on the device before it goes toward the cloud
 (:func:`edgefuse.privacy.protect.protect_batch` with this client's protection mode: the
@@ -21,7 +23,7 @@ from dataclasses import replace
 import torch
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 
-from edgefuse.cloud.decoding.decoder import auth_from_config, decode_config
+from edgefuse.cloud.decoding import DraftHead, DrafterSpec, auth_from_config, decode_config, drafter_spec
 from edgefuse.cloud.devices import pruned_head, run_devices
 from edgefuse.cloud.target import tokenizer_fingerprint
 from edgefuse.privacy.audit import watch_canaries
@@ -76,6 +78,19 @@ def _canary_queries(cfg, n: int) -> list[Query]:
             for i, p in enumerate(load_canary_prompts(cfg.data.mirror, n, int(cfg.seed)))]
 
 
+def device_drafter(cfg, model, tok) -> tuple[DrafterSpec, DraftHead | None]:
+    """The drafter this device drafts with (``cloud.decode.drafter`` and its parameters,
+    :func:`edgefuse.cloud.decoding.drafter_spec`) and the pruned head it needs: for
+    ``pruned_head`` the ``draft_head`` most frequent tokens of the public corpus
+    (:func:`edgefuse.cloud.devices.pruned_head`, cached under ``paths.cache_dir``), else None.
+
+    Raises:
+        edgefuse.cloud.decoding.DecodeError: an unknown drafter or a bad parameter.
+    """
+    spec = drafter_spec(cfg.cloud)
+    return spec, pruned_head(model, tok, cfg.data, int(cfg.seed), spec.head_size, cfg.paths.cache_dir)
+
+
 def decode(msg: Message, context: Context, client) -> RecordDict:
     """Run every ``cloud.modes`` mode on the message's queries; reply with the records."""
     from edgefuse.privacy.redact import Redactor
@@ -94,21 +109,22 @@ def decode(msg: Message, context: Context, client) -> RecordDict:
     max_new = int(cfg.privacy.rephrase.max_new_tokens) if cfg.get("privacy") else 96
     sent, maps = protect_queries(queries, mode, model, tok, redactor, max_new)
     dcfg = decode_config(c, auth=auth_from_config(cfg.get("privacy")))
-    head = pruned_head(model, tok, cfg.data, int(cfg.seed), int(c.decode.draft_head), cfg.paths.cache_dir)
+    spec, head = device_drafter(cfg, model, tok)
     host, port, wan = str(conf["host"]), int(conf["port"]), WanProfile.from_name(str(c.wan))
     threads = torch.get_num_threads()
     torch.set_num_threads(int(c.threads))
     try:
         records, wall = run_devices(
             model, tok, sent, list(c.modes), dcfg, host, port, wan, int(c.devices),
-            tokenizer_fingerprint(tok), max_prompt_tokens=int(c.eval.max_prompt_tokens), head=head)
+            tokenizer_fingerprint(tok), max_prompt_tokens=int(c.eval.max_prompt_tokens), head=head,
+            drafter=spec)
         n_live = int(cfg.privacy.probe.get("live_canaries", 0)) if cfg.get("privacy") and cfg.privacy.enabled else 0
         if n_live > 0:  # canaries through the live link: the audit scans these frames
             canaries = _canary_queries(cfg, n_live)
             canary_sent, _ = protect_queries(canaries, mode, model, tok, redactor, max_new)
             run_devices(model, tok, canary_sent, ["spec_sync"], replace(dcfg, max_new_tokens=4), host, port,
                         wan, 1, tokenizer_fingerprint(tok), max_prompt_tokens=int(c.eval.max_prompt_tokens),
-                        head=head)
+                        head=head, drafter=spec)
     finally:
         torch.set_num_threads(threads)
     by_qid = {q.qid: m for q, m in zip(queries, maps)}

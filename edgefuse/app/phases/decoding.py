@@ -19,7 +19,7 @@ from flwr.common.logger import log
 from edgefuse.app.phases.base import Phase, PhaseContext
 from edgefuse.app.strategy import GroupedLoRA, NodeInfo
 from edgefuse.c2c.hub import VAL_ROWS
-from edgefuse.cloud.decoding.decoder import DecodeResult, check_config
+from edgefuse.cloud.decoding import DecodeResult, check_config
 from edgefuse.cloud.devices import Record, summarize, table
 from edgefuse.config import ConfigError
 from edgefuse.eval.queries import dolly_eval_queries, load_gsm8k

@@ -1,0 +1,168 @@
+"""Decoding settings: the modes, :class:`DecodeConfig`, the drafter choice, and the checks of
+the ``cloud`` config group (``conf/cloud/default.yaml``) at compose time."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from edgefuse.cloud import protocol as P
+from edgefuse.cloud.decoding.drafters import DRAFTERS, DrafterSpec
+from edgefuse.cloud.fusion import FusionConfig
+from edgefuse.cloud.protocol import CloudAuth
+
+MODES = ("edge", "cloud", "spec_sync", "spec_async", "fusion_static", "fusion_adaptive")
+LINK_MODES = tuple(m for m in MODES if m != "edge")
+
+
+class DecodeError(ValueError):
+    """Bad decoding settings (unknown mode, out-of-range values)."""
+
+
+@dataclass
+class DecodeConfig:
+    """Settings shared by all modes.
+
+    ``max_new_tokens``: tokens to generate (at most); ``temperature``: 0 = greedy;
+    ``top_k``: the target's sampling top-k (0 = none); ``seed``: sampling seed;
+    ``gamma``: fixed γ, or None to adapt within [gamma_min, gamma_max]; ``draft_topk``: the
+    draft's sparse q size at temperature > 0; ``fuse_topk``: the cloud's top-k for fusion;
+    ``fusion``: weights (see :class:`FusionConfig`); ``deadline_ms``: per-token deadline of
+    fusion (ms from request to answer); ``timeout_s``: a request unanswered this long (for
+    fusion: no answer at all for this long) means the cloud is gone (s); ``auth``: the
+    cloud cache tuple (flagCache, LCache) every request carries (default: keep all)."""
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    seed: int = 0
+    gamma: int | None = None
+    gamma_min: int = 1
+    gamma_max: int = 8
+    draft_topk: int = 16
+    fuse_topk: int = 16
+    fusion: FusionConfig = field(default_factory=FusionConfig)
+    deadline_ms: float = 1000.0
+    timeout_s: float = 60.0
+    auth: CloudAuth = field(default_factory=CloudAuth)
+
+    def __post_init__(self):
+        if not isinstance(self.auth, CloudAuth):
+            raise DecodeError(f"auth must be a CloudAuth, got {type(self.auth).__name__}")
+        if self.max_new_tokens < 1:
+            raise DecodeError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not self.temperature >= 0:
+            raise DecodeError(f"temperature must be >= 0, got {self.temperature}")
+        if self.gamma is not None and not 0 <= self.gamma <= P.MAX_GAMMA:
+            raise DecodeError(f"gamma must be in 0..{P.MAX_GAMMA}, got {self.gamma}")
+        if not 1 <= self.gamma_min <= self.gamma_max <= P.MAX_GAMMA:
+            raise DecodeError(f"need 1 <= gamma_min <= gamma_max <= {P.MAX_GAMMA}")
+        if not 1 <= self.draft_topk <= 255 or not 1 <= self.fuse_topk <= P.MAX_TOPK:
+            raise DecodeError("draft_topk must be in 1..255 and fuse_topk in 1..1024")
+        if not self.deadline_ms > 0 or not self.timeout_s > 0:
+            raise DecodeError("deadline_ms and timeout_s must be > 0")
+
+
+def auth_from_config(privacy_cfg) -> CloudAuth:
+    """The cloud cache tuple of a ``privacy`` config group (``privacy.cloud_auth.{flag_cache,
+    l_cache}``, ``conf/privacy/default.yaml``; l_cache null = unlimited); a group without
+    ``cloud_auth`` gives the default (keep all). Raises :class:`DecodeError` for values of
+    the wrong type or range."""
+    ca = privacy_cfg.get("cloud_auth") if hasattr(privacy_cfg, "get") else \
+        getattr(privacy_cfg, "cloud_auth", None)
+    if ca is None:
+        return CloudAuth()
+    get = ca.get if hasattr(ca, "get") else (lambda k, d=None: getattr(ca, k, d))
+    try:
+        return CloudAuth(get("flag_cache", True), get("l_cache", None))
+    except P.ProtocolError as exc:
+        raise DecodeError(f"privacy.cloud_auth: {exc}") from None
+
+
+def decode_config(c, auth: CloudAuth | None = None) -> DecodeConfig:
+    """The :class:`DecodeConfig` of a ``cloud`` config group (``conf/cloud/default.yaml``),
+    with the cloud cache tuple ``auth`` (None = keep all; see :func:`auth_from_config`).
+    Raises :class:`DecodeError` / ``ValueError`` for out-of-range settings."""
+    d = c.decode
+    if int(d.top_k) < 0:
+        raise DecodeError(f"cloud.decode.top_k must be >= 0, got {d.top_k}")
+    return DecodeConfig(
+        max_new_tokens=int(c.eval.max_new_tokens), temperature=float(d.temperature),
+        top_k=int(d.top_k), seed=0, gamma=None if d.gamma is None else int(d.gamma),
+        gamma_max=int(d.gamma_max), draft_topk=int(d.draft_topk), fuse_topk=int(d.fuse_topk),
+        fusion=FusionConfig(weight=float(d.fusion_weight), confidence=str(d.confidence)),
+        deadline_ms=float(d.deadline_ms), timeout_s=float(d.timeout_s),
+        auth=auth if auth is not None else CloudAuth())
+
+
+def drafter_spec(c) -> DrafterSpec:
+    """The :class:`~edgefuse.cloud.decoding.drafters.DrafterSpec` of a ``cloud`` config group
+    (``cloud.decode.{drafter, draft_head, shallow_layers, ngram_n, ngram_min_n}``; a key it
+    lacks takes the spec's default). Raises :class:`DecodeError` for an unknown drafter
+    (naming the choices) or an out-of-range or non-integer value."""
+    d, base = c.decode, DrafterSpec()
+    get = d.get if hasattr(d, "get") else (lambda k, v=None: getattr(d, k, v))
+    name = str(get("drafter", base.name))
+    if name not in DRAFTERS:
+        raise DecodeError(f"cloud.decode.drafter {name!r} is unknown: choose from {', '.join(DRAFTERS)}")
+    values = {}
+    for key in ("draft_head", "shallow_layers", "ngram_n", "ngram_min_n"):
+        v = get(key, getattr(base, key))
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise DecodeError(f"cloud.decode.{key} must be an integer, got {v!r}")
+        values[key] = v
+    try:
+        return DrafterSpec(name, **values)
+    except ValueError as e:
+        raise DecodeError(f"cloud.decode: {e}") from None
+
+
+def check_config(cfg) -> None:
+    """Check the ``cloud`` section at compose time (nothing when ``cloud.enabled`` is false).
+
+    Raises:
+        ConfigError: a ``device_model`` no client runs, an unknown mode, WAN preset or
+            drafter, or an out-of-range decoding setting.
+    """
+    from omegaconf import OmegaConf
+
+    from edgefuse.config import ConfigError, positive_int
+
+    cloud = cfg.get("cloud")
+    if cloud is None or not cloud.get("enabled"):
+        return
+    from edgefuse.transport.wan import WanProfile
+
+    models = [str(c.model) for c in cfg.federation.clients]
+    if str(cloud.device_model) not in models:
+        raise ConfigError(f"cloud.device_model {cloud.device_model!r} is not a federation client's "
+                          f"model ({', '.join(dict.fromkeys(models))})")
+    unknown = sorted(set(map(str, cloud.modes)) - set(MODES))
+    if unknown or not cloud.modes:
+        raise ConfigError(f"cloud.modes has unknown modes {unknown or '[]'}: use {', '.join(MODES)}")
+    try:
+        WanProfile.from_name(str(cloud.wan))
+    except ValueError as e:
+        raise ConfigError(f"cloud.wan: {e}") from None
+    for key in ("cloud.devices", "cloud.eval.max_new_tokens", "cloud.eval.max_prompt_tokens",
+                "cloud.service.max_batch", "cloud.service.max_context", "cloud.decode.gamma_max",
+                "cloud.decode.fuse_topk", "cloud.decode.draft_topk"):
+        positive_int(OmegaConf.select(cfg, key), key)
+    if int(cloud.eval.gsm8k_n) < 0 or int(cloud.eval.dolly_per_category) < 0 or \
+            int(cloud.eval.gsm8k_n) + int(cloud.eval.dolly_per_category) == 0:
+        raise ConfigError("cloud.eval needs gsm8k_n > 0 or dolly_per_category > 0 (both >= 0)")
+    if float(cloud.decode.temperature) < 0:
+        raise ConfigError(f"cloud.decode.temperature must be >= 0, got {cloud.decode.temperature}")
+    try:
+        decode_config(cloud)
+    except ValueError as e:  # DecodeError and FusionConfig's checks
+        raise ConfigError(f"cloud.decode: {e}") from None
+    try:
+        drafter_spec(cloud)
+    except DecodeError as e:
+        raise ConfigError(str(e)) from None
+    if float(cloud.service.max_wait_ms) < 0 or int(cloud.devices) > int(cloud.service.max_sessions):
+        raise ConfigError("cloud.service.max_wait_ms must be >= 0 and cloud.devices <= "
+                          "cloud.service.max_sessions")
+    if str(cloud.decode.confidence) not in ("entropy", "margin"):
+        raise ConfigError(f"cloud.decode.confidence must be entropy or margin, got {cloud.decode.confidence!r}")
+    if not 0 <= float(cloud.decode.fusion_weight) <= 1:
+        raise ConfigError(f"cloud.decode.fusion_weight must be in [0, 1], got {cloud.decode.fusion_weight}")

@@ -1,0 +1,85 @@
+"""The device's decoding handler (edgefuse.app.handlers.decoding) drafts with the drafter the
+config names: ``device_drafter`` builds it (the pruned head from the public corpus), and a
+``query.decode`` message decoded through a real in-process cloud service (tiny random qwen2
+target) yields records of that drafter whose speculative output equals the cloud's.
+
+The client is a stand-in object with the attributes the handler reads (``entry``, ``slot``,
+``cfg``); its model is tiny-qwen2 with a LoRA adapter attached (a PEFT model, as on a client)."""
+
+import json
+import time
+from types import SimpleNamespace
+
+import pytest
+from flwr.app import ConfigRecord, Context, Message, Metadata, RecordDict
+
+from edgefuse.app.handlers import decoding
+from edgefuse.cloud.decoding import DRAFTERS, DraftHead
+from edgefuse.cloud.service import CloudService
+from edgefuse.cloud.target import Target
+from edgefuse.config import compose, lora_targets
+from edgefuse.eval.queries import Query
+from edgefuse.lora import attach_lora
+from edgefuse.models import tiny_model
+from tests.conftest import mirror_path
+
+
+def _cfg(name: str, tmp_path):
+    over = [f"cloud.decode.drafter={name}", "cloud.decode.shallow_layers=1", "cloud.decode.draft_head=64",
+            "cloud.decode.ngram_n=2", "privacy.enabled=false", "cloud.modes=[cloud,spec_sync,spec_async]",
+            f"paths.cache_dir={tmp_path}"]
+    if name == "pruned_head":  # its head counts tokens of the public corpus
+        if mirror_path() is None:
+            pytest.skip("no data mirror: set EDGEFUSE_DATA_MIRROR or place ../shared/data")
+        over.append(f"data.mirror={mirror_path()}")
+    return compose("tiny", over)
+
+
+def _device_model(cfg):
+    model, tok = tiny_model("qwen2", seed=0)
+    return attach_lora(model, rank=4, alpha=16.0, dropout=0.0,
+                       target_modules=lora_targets(cfg, "tiny-qwen2"), seed=0), tok
+
+
+@pytest.mark.parametrize("name", list(DRAFTERS))
+def test_device_drafter_is_the_configured_one(name, tmp_path):
+    cfg = _cfg(name, tmp_path)
+    model, tok = _device_model(cfg)
+    spec, head = decoding.device_drafter(cfg, model, tok)
+    assert spec.name == name and spec.shallow_layers == 1 and spec.ngram_n == 2
+    if name == "pruned_head":
+        assert isinstance(head, DraftHead) and head.size == 64
+        assert list((tmp_path / "draft_heads").glob("*-64.json"))  # cached where the config says
+    else:
+        assert head is None
+
+
+@pytest.mark.parametrize("name", list(DRAFTERS))
+def test_decode_message_drafts_with_the_configured_drafter(name, tmp_path, one_thread):
+    cfg = _cfg(name, tmp_path)
+    target, tok = tiny_model("qwen2", seed=1)
+    svc = CloudService(Target(target, tok, "tiny-target"), "127.0.0.1", 0, max_wait_ms=5)
+    svc.start_in_thread()
+    try:
+        model, _ = _device_model(cfg)
+        client = SimpleNamespace(entry=SimpleNamespace(model="tiny-qwen2"), cfg=cfg,
+                                 slot={"peft": model, "tok": tok})
+        queries = [Query(qid=f"dolly/{i}", kind="dolly", instruction=f"say item {i} twice: item {i}",
+                         context="", choices=None, answer=None, reference="", category="c") for i in range(2)]
+        content = RecordDict({"cloud": ConfigRecord({"host": "127.0.0.1", "port": svc.port,
+                                                     "queries": json.dumps([q.to_dict() for q in queries])})})
+        meta = Metadata(run_id=1, message_id="", src_node_id=0, dst_node_id=1, reply_to_message_id="",
+                        group_id="", created_at=time.time(), ttl=60.0, message_type="query.decode")
+        reply = decoding.decode(Message(content=content, metadata=meta),
+                                Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={}),
+                                client)
+    finally:
+        svc.stop()
+    records = json.loads(str(reply["decoding"]["records"]))
+    cloud = {r["qid"]: r["tokens"] for r in records if r["mode"] == "cloud"}
+    spec = [r for r in records if r["mode"] in ("spec_sync", "spec_async")]
+    assert len(cloud) == 2 and len(spec) == 4
+    for r in spec:
+        assert r["drafter"] == name and r["fallback"] is None
+        assert r["tokens"] == cloud[r["qid"]]  # lossless whichever drafter
+    assert all(r["drafter"] is None for r in records if r["mode"] == "cloud")

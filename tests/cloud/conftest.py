@@ -1,0 +1,117 @@
+"""Shared pieces of the cloud tests: an in-process link to a real :class:`Target`, the
+target's own greedy continuation (the reference every lossless mode must equal), a perturbed
+copy of a model (a draft that agrees with its target often but not always), and a started
+in-process :class:`CloudService`."""
+
+from __future__ import annotations
+
+import collections
+import copy
+
+import pytest
+import torch
+
+import edgefuse.cloud.protocol as P
+from edgefuse.cloud.service import CloudService
+from edgefuse.cloud.target import SessionError, Target
+
+
+def target_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """The ``n`` greedy tokens ``model.generate`` continues ``prompt`` with (no EOS stop)."""
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def perturbed_copy(model, scale: float, seed: int = 0):
+    """A deep copy of ``model`` with Gaussian noise added to every weight (``scale`` times the
+    tensor's own standard deviation): a draft whose greedy tokens match the target's only
+    some of the time."""
+    m = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale * p.std().clamp_min(1e-3))
+    return m.eval()
+
+
+class DirectLink:
+    """The device end of the protocol without a socket: messages are encoded and decoded
+    exactly as on the wire and answered by a real :class:`Target` (one session)."""
+
+    def __init__(self, target: Target, fail_after: int | None = None, lag: bool = False):
+        self.target, self.session = target, None
+        self.inbox: collections.deque = collections.deque()
+        self.bytes_up = self.bytes_down = self.round_trips = 0
+        self.fail_after, self.sent = fail_after, 0
+        self.lag = lag  # a slow cloud: each TOPK shows up only after the next request
+        self.held = None
+
+    def _deliver(self, msg):
+        data = P.encode(msg)
+        self.bytes_up += len(data)
+        self.sent += 1
+        if self.fail_after is not None and self.sent > self.fail_after:
+            raise ConnectionError("cloud went away")
+        msg = P.decode(data)
+        if isinstance(msg, P.Close):
+            self.target.close(self.session)
+            return
+        if isinstance(msg, P.Open):
+            try:
+                self.session = self.target.open(msg)
+                reply = P.Opened(self.target.name, self.target.fingerprint, self.target.context_len)
+            except SessionError as exc:
+                reply = P.Error(exc.code, str(exc))
+        else:
+            (reply,) = self.target.step([(self.session, msg)])
+        out = P.encode(reply)
+        self.bytes_down += len(out)
+        if self.held is not None:
+            self.inbox.append(self.held)
+            self.held = None
+        if self.lag and isinstance(reply, P.TopK):
+            self.held = P.decode(out)
+        else:
+            self.inbox.append(P.decode(out))
+
+    def send(self, msg):
+        self._deliver(msg)
+
+    def count_round_trip(self):
+        self.round_trips += 1
+
+    def recv(self, timeout_s=None):
+        if not self.inbox:
+            raise TimeoutError("no reply yet")
+        msg = self.inbox.popleft()
+        if isinstance(msg, P.Error):
+            raise P.RemoteError(msg.code, msg.message)
+        return msg
+
+    def request(self, msg, timeout_s=None):
+        self.round_trips += 1
+        self.send(msg)
+        return self.recv(timeout_s)
+
+    def open(self, prompt, fingerprint, temperature=0.0, top_k=0, seed=0, max_new=256):
+        self.send(P.Open(prompt, fingerprint, temperature, top_k, seed, max_new))
+        return self.recv()
+
+
+@pytest.fixture
+def start_service():
+    """Factory: ``start_service(model, tok, name="tiny-target", **service_kw)`` starts an
+    in-process :class:`CloudService` over a fresh ``Target`` of ``model``; all are stopped
+    after the test."""
+    started = []
+
+    def start(model, tok, name: str = "tiny-target", **kw) -> CloudService:
+        svc = CloudService(Target(model, tok, name), "127.0.0.1", 0, **kw)
+        svc.start_in_thread()
+        started.append(svc)
+        return svc
+
+    yield start
+    for svc in started:
+        svc.stop()
