@@ -7,7 +7,7 @@ Each phase is one module with one :class:`~edgefuse.app.phases.base.Phase` subcl
 (the ServerApp, the compose-time checks and the results recorder take it from there).
 
 Each phase's settings are checked by the layer that uses them (``check_config`` in
-:mod:`edgefuse.c2c.hub`, :mod:`edgefuse.cloud.decoding.decoder`, :mod:`edgefuse.attacks.probe`,
+:mod:`edgefuse.c2c.hub`, :mod:`edgefuse.cloud.decoding`, :mod:`edgefuse.attacks.probe`,
 called by each phase's ``check``); :func:`compose` is :func:`edgefuse.config.compose` plus
 those checks, so a bad value fails before any round.
 """

@@ -77,7 +77,7 @@ class Decoding(Phase):
         return bool(cfg.get("cloud") and cfg.cloud.enabled)
 
     def check(self, cfg) -> None:
-        """:func:`edgefuse.cloud.decoding.decoder.check_config`."""
+        """:func:`edgefuse.cloud.decoding.check_config`."""
         check_config(cfg)
 
     def start(self, ctx: PhaseContext) -> None:
@@ -120,7 +120,7 @@ class Decoding(Phase):
             code = stop_service_process(proc)
             if code not in (0, None):
                 log(WARNING, "cloud: the service exited with code %s (see %s)", code, out / "cloud_service.log")
-        records = [Record(r["qid"], r["kind"], r["mode"], r["device"], _result(r), r["reference"]) for r in raw]
+        records = [Record(r["qid"], r["kind"], r["mode"], r["device"], DecodeResult.from_dict(r), r["reference"]) for r in raw]
         from edgefuse.models import load_tokenizer
 
         tok = load_tokenizer(str(c.device_model), cfg.paths.cache_dir)
@@ -144,12 +144,3 @@ def _health(host: str, port: int) -> dict:
     except (CloudUnavailable, OSError, ValueError) as e:
         log(WARNING, "cloud: no health answer before shutdown: %s", e)
         return {}
-
-
-def _result(r: dict) -> DecodeResult:
-    """A :class:`DecodeResult` back from a record dict (the counters the summary needs)."""
-    keep = {k: r[k] for k in ("mode", "text", "prefill_s", "decode_s", "round_trips", "bytes_up",
-                              "bytes_down", "prefill_bytes_up", "prefill_bytes_down", "drafted",
-                              "accepted", "blocks", "deadline_misses", "edge_weight_mean",
-                              "fallback")}
-    return DecodeResult(tokens=list(r["tokens"]), **keep)
