@@ -29,6 +29,7 @@ from flwr.clientapp import ClientApp
 
 from edgefuse.app.handlers import c2c, decoding as cloud_decode, privacy
 from edgefuse.app.handlers.local import LocalClient
+from edgefuse.app import messages as M
 from edgefuse.app.messages import check_group
 from edgefuse.config import client_entry, from_json
 from edgefuse.privacy.audit import flower_mod, watch_canaries
@@ -87,7 +88,7 @@ def _load_adapter(client: LocalClient, msg: Message) -> int:
     return adapter_nbytes(arrays) + len(index.encode())
 
 
-@app.query("info")
+@app.query(M.INFO)
 def info(msg: Message, context: Context) -> Message:
     """Tell the server who this node is: partition-id, model, LoRA rank, and the X25519
     public key peers seal Cache-to-Cache payloads with."""
@@ -144,7 +145,7 @@ def _c2c(msg: Message, context: Context, handler) -> Message:
     return c2c.reply(msg, handler(msg, context, client), time.perf_counter() - t0)
 
 
-@app.query("fusers")
+@app.query(M.FUSERS)
 def fusers(msg: Message, context: Context) -> Message:
     """Install this receiver's fusers after checking their versions (refused on mismatch)."""
     def install(msg, context, client):
@@ -154,31 +155,31 @@ def fusers(msg: Message, context: Context) -> Message:
     return _c2c(msg, context, install)
 
 
-@app.query("share")
+@app.query(M.SHARE)
 def share(msg: Message, context: Context) -> Message:
     """Prefill (KV) or answer (T2T text) the queries, sealed for one peer."""
     return _c2c(msg, context, c2c.share)
 
 
-@app.query("refine")
+@app.query(M.REFINE)
 def refine(msg: Message, context: Context) -> Message:
     """Co-C2C: fuse the peer's relayed cache into ours and seal the refined cache back."""
     return _c2c(msg, context, c2c.refine)
 
 
-@app.query("answer")
+@app.query(M.ANSWER)
 def answer(msg: Message, context: Context) -> Message:
     """Answer the queries alone, with T2T hints, or from fused caches."""
     return _c2c(msg, context, c2c.answer)
 
 
-@app.query("decode")
+@app.query(M.DECODE)
 def decode(msg: Message, context: Context) -> Message:
     """Decode the prompts through the cloud service (edge, cloud, speculative, fusion)."""
     return _c2c(msg, context, cloud_decode.decode)
 
 
-@app.query("privacy")
+@app.query(M.PRIVACY)
 def privacy_probe(msg: Message, context: Context) -> Message:
     """Run the privacy probe on this device's model and reply with its figures."""
     return _c2c(msg, context, privacy.probe)

@@ -24,6 +24,22 @@ from flwr.app import Message, RecordDict
 GROUP_MODEL = "adapter_model"
 GROUP_RANK = "adapter_rank"
 
+# The query kinds both apps use (Flower message type ``query.<kind>``), defined once.
+INFO, FUSERS, SHARE, REFINE, ANSWER, DECODE, PRIVACY = (
+    "info", "fusers", "share", "refine", "answer", "decode", "privacy")
+QUERY_KINDS = (INFO, FUSERS, SHARE, REFINE, ANSWER, DECODE, PRIVACY)
+
+
+def query_type(kind: str) -> str:
+    """The Flower message type of a query kind: ``query_type(DECODE) == "query.decode"``.
+
+    Raises:
+        ValueError: ``kind`` is not one of :data:`QUERY_KINDS`.
+    """
+    if kind not in QUERY_KINDS:
+        raise ValueError(f"unknown query kind {kind!r}: use one of {', '.join(QUERY_KINDS)}")
+    return f"query.{kind}"
+
 
 class NodeError(RuntimeError):
     """A node did not answer a message, answered with an error, or sent a reply that does

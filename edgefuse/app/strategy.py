@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from edgefuse.aggregation import (ClientUpdate, GroupResult, MalformedUpdateError,
                                   aggregate_group, flexlora, module_shapes, validate_update)
+from edgefuse.app import messages as M
 from edgefuse.app.messages import group_fields, last_line
 from edgefuse.config import to_json
 from edgefuse.lora import adapter_nbytes, pack_adapter, unpack_adapter
@@ -75,7 +76,7 @@ class GroupedLoRA:
     def info_messages(self, node_ids) -> list[Message]:
         """``query.info`` to nodes not yet identified."""
         content, _ = self.content(0, None)
-        return [Message(content, dst_node_id=n, message_type="query.info")
+        return [Message(content, dst_node_id=n, message_type=M.query_type(M.INFO))
                 for n in node_ids if n not in self.nodes]
 
     def add_info(self, replies) -> list[str]:

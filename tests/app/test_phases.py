@@ -290,3 +290,13 @@ def test_the_privacy_phase_stops_on_a_node_error(tmp_path, monkeypatch):
     res = json.loads((tmp_path / "run" / JSON_NAME).read_text())
     assert res["status"] == "failed" and "partition 0 (tiny-llama, node 101)" in res["error"]
     assert "privacy" not in res and len(res["rounds"]) == 1
+
+
+def test_query_kinds_are_defined_once_and_unknown_kinds_refused():
+    from edgefuse.app import messages as M
+
+    assert [M.query_type(k) for k in M.QUERY_KINDS] == [
+        "query.info", "query.fusers", "query.share", "query.refine", "query.answer",
+        "query.decode", "query.privacy"]
+    with pytest.raises(ValueError, match="unknown query kind 'bogus'"):
+        M.query_type("bogus")

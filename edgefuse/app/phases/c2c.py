@@ -42,6 +42,7 @@ from pathlib import Path
 from flwr.app import Array, ArrayRecord, ConfigRecord
 from flwr.common.logger import log
 
+from edgefuse.app import messages as M
 from edgefuse.app.messages import NodeError
 from edgefuse.app.phases.base import Phase, PhaseContext
 from edgefuse.app.strategy import GroupedLoRA, NodeInfo
@@ -124,7 +125,7 @@ class C2C(Phase):
 
     # -- messaging ----------------------------------------------------------------
     def _ask(self, node: NodeInfo, kind: str, conf: dict, arrays: dict[str, ArrayRecord] | None = None):
-        return self.ctx.ask(node, f"query.{kind}", {"c2c": ConfigRecord(conf), **(arrays or {})})
+        return self.ctx.ask(node, M.query_type(kind), {"c2c": ConfigRecord(conf), **(arrays or {})})
 
     # -- 1 + 2: fusers --------------------------------------------------------------
     def update_fusers(self, round_idx: int) -> list[dict]:
@@ -185,7 +186,7 @@ class C2C(Phase):
                 arrays["gate"] = ArrayRecord({k: Array(v) for k, v in packed.items()})
                 conf["gate_meta"] = json.dumps({**g_meta, "sharers": g_sharers, "index": index})
             try:
-                self._ask(node, "fusers", conf, arrays)
+                self._ask(node, M.FUSERS, conf, arrays)
                 status[receiver] = "installed"
                 log(INFO, "c2c: partition %d (%s) installed %d fusers (%.2f MB)", node.partition_id,
                     receiver, len(sharers), nbytes / 1e6)
@@ -241,9 +242,9 @@ class C2C(Phase):
                 "peer_model": peer, "peer_public_key": peer_node.public_key,
                 "session_id": sid.hex()}
         arrays = None
-        msg_type = "share"
+        msg_type = M.SHARE
         if refine_frames is not None:
-            msg_type = "refine"
+            msg_type = M.REFINE
             flat, conf["frames_lengths"] = pack_frames(refine_frames)
             arrays = {"frames": ArrayRecord({"frames": Array(flat)})}
         reply = self._ask(node, msg_type, conf, arrays)
@@ -280,7 +281,7 @@ class C2C(Phase):
             conf[f"session_id.{i}"] = sid.hex()
             pre_ms = [max(a, b) for a, b in zip(pre_ms, lat)]  # sharers work in parallel
             sent = [a + b for a, b in zip(sent, nb)]
-        results = self._ask(self.reps[receiver], "answer", conf, arrays).json("c2c", "results")
+        results = self._ask(self.reps[receiver], M.ANSWER, conf, arrays).json("c2c", "results")
         for r, p, b in zip(results, pre_ms, sent):
             r["exchange_ms"] = p
             r["bytes_sent"] = b

@@ -16,6 +16,7 @@ from logging import INFO, WARNING
 from flwr.app import ConfigRecord
 from flwr.common.logger import log
 
+from edgefuse.app import messages as M
 from edgefuse.app.phases.base import Phase, PhaseContext
 from edgefuse.app.strategy import GroupedLoRA, NodeInfo
 from edgefuse.c2c.hub import VAL_ROWS
@@ -109,7 +110,7 @@ class Decoding(Phase):
         try:
             log(INFO, "cloud: partition %d (%s) decodes %d prompts in %d modes with %d sessions over %s",
                 node.partition_id, node.model, len(queries), len(c.modes), int(c.devices), c.wan)
-            reply = ctx.ask(node, "query.decode", {"cloud": ConfigRecord({
+            reply = ctx.ask(node, M.query_type(M.DECODE), {"cloud": ConfigRecord({
                 "host": str(c.host), "port": int(port),
                 "queries": json.dumps([q.to_dict() for q in queries])})})
             raw, wall = reply.json("decoding", "records"), reply.json("decoding", "wall")

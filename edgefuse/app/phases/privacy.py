@@ -16,6 +16,7 @@ from logging import INFO
 
 from flwr.common.logger import log
 
+from edgefuse.app import messages as M
 from edgefuse.app.phases.base import Phase, PhaseContext
 from edgefuse.app.strategy import GroupedLoRA, NodeInfo
 from edgefuse.attacks.probe import check_config
@@ -85,7 +86,7 @@ class Privacy(Phase):
             node.partition_id, node.model, int(cfg.privacy.probe.canaries), list(cfg.privacy.probe.modes))
         audit = ctx.audit  # the live traffic's, before the probe's own reply
         t0 = time.perf_counter()
-        reply = ctx.ask(node, "query.privacy")
+        reply = ctx.ask(node, M.query_type(M.PRIVACY))
         rows = reply.json("privacy", "rows")
         hits_on = sum(r["canary_hits"] for r in rows if r["protection"] in ("redact", "both"))
         summary = {"probe_partition": node.partition_id, "probe_model": node.model,
