@@ -45,7 +45,7 @@ from edgefuse.cloud.decoding import DRAFTERS, MODES, DecodeConfig, DrafterSpec  
 from edgefuse.cloud.devices import pruned_head, run_devices, summarize, table  # noqa: E402
 from edgefuse.cloud.service import start_service_process, stop_service_process  # noqa: E402
 from edgefuse.cloud.target import tokenizer_fingerprint  # noqa: E402
-from edgefuse.config import compose  # noqa: E402
+from edgefuse.config import compose, resolve_paths  # noqa: E402
 from edgefuse.models import load_model  # noqa: E402
 from edgefuse.io import atomic_write_json  # noqa: E402
 from edgefuse.transport.wan import WanProfile  # noqa: E402
@@ -213,14 +213,13 @@ def main(argv=None) -> int:
         print(f"bench_cloud: {e}", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
-    mirror = args.mirror or os.environ.get("EDGEFUSE_DATA_MIRROR") or (
-        str(ROOT.parent / "shared" / "data") if (ROOT.parent / "shared" / "data").is_dir() else None)
-    cfg = compose("default", [f"data.mirror={mirror}"] if mirror else [])
+    cfg = compose("default")
+    resolve_paths(cfg, data_mirror=args.mirror)  # --mirror, else as every entry point resolves it
     queries = []
     if args.gsm8k:
         queries += load_gsm8k(cfg.data.mirror, args.gsm8k, int(cfg.seed))
     if args.dolly:
-        queries += dolly_eval_queries(cfg.data, int(cfg.seed), args.dolly, skip=int(cfg.c2c.train.examples) + 8)
+        queries += dolly_eval_queries(cfg.data, int(cfg.seed), args.dolly)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     log_path = out.with_name(out.stem + "_service.log")

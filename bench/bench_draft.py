@@ -63,8 +63,12 @@ PLOT_GAMMAS = tuple(range(1, 9))
 
 # ----------------------------------------------------------------------------- data
 
-def default_mirror() -> str:
-    return os.environ.get("EDGEFUSE_DATA_MIRROR") or str(ROOT.parent / "shared" / "data")
+def default_mirror() -> str | None:
+    """The data mirror as every entry point resolves it (edgefuse.config.resolve_paths)."""
+    from edgefuse.config import resolve_paths
+
+    mirror = resolve_paths().data_mirror
+    return None if mirror is None else str(mirror)
 
 
 def _prompt_ids(tok, prompt: str) -> list[int]:

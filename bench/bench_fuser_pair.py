@@ -26,7 +26,6 @@ sys.path.insert(0, str(ROOT))
 
 from edgefuse import data  # noqa: E402
 from edgefuse.config import compose  # noqa: E402
-from edgefuse.cli.launch import default_mirror  # noqa: E402
 from edgefuse.models import load_model  # noqa: E402
 from edgefuse.io import atomic_write_bytes, atomic_write_json  # noqa: E402
 from edgefuse.c2c.fuser import C2CFuser, FuserConfig, kv_spec_from_config  # noqa: E402
@@ -68,9 +67,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.steps, args.eval_examples = 15, 20
     torch.set_num_threads(1)
-    mirror = default_mirror()
-    cfg = compose("default", f"data.max_seq_len={args.max_seq_len}"
-                  + (f" data.mirror={mirror}" if mirror else ""))
+    cfg = compose("default", f"data.max_seq_len={args.max_seq_len}")  # paths: resolve_paths
     public = data.public_split(cfg.data, int(cfg.seed))
     n_train, n_eval = args.train_examples, args.eval_examples
     rows = [public[i] for i in range(min(len(public), n_train + n_eval))]

@@ -37,11 +37,11 @@ from edgefuse.results.privacy import plot_privacy  # noqa: E402
 
 
 def default_mirror() -> str | None:
-    env = os.environ.get("EDGEFUSE_DATA_MIRROR")
-    if env:
-        return env
-    d = ROOT.parent / "shared" / "data"
-    return str(d) if d.is_dir() else None
+    """The data mirror as every entry point resolves it (edgefuse.config.resolve_paths)."""
+    from edgefuse.config import resolve_paths
+
+    mirror = resolve_paths().data_mirror
+    return None if mirror is None else str(mirror)
 
 
 def check_targets(rows: list[dict], task_cost_points: float = 3.0) -> dict:
@@ -163,7 +163,9 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     layers = [float(x) if "." in x else int(x) for x in args.layers.split(",") if x]
-    cfg = compose("default", [f"data.mirror={args.mirror}"] if args.mirror else [])
+    # the attacker's prompts are the public split's attack_train slice, sized by this setting
+    cfg = compose("default", ([f"data.mirror={args.mirror}"] if args.mirror else [])
+                  + [f"privacy.probe.attack_train_prompts={args.train_prompts}"])
     priv = OmegaConf.merge(cfg.privacy, {"rephrase": {"max_new_tokens": args.rephrase_tokens},
                                          "probe": {"canaries": args.canaries, "task_n": args.task_n,
                                                    "attack_train_prompts": args.train_prompts,

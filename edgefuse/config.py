@@ -8,7 +8,9 @@ ClientApp inside each message, so clients never compose on their own.
 from __future__ import annotations
 
 import json
+import os
 import shlex
+from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -29,7 +31,7 @@ def compose(experiment: str = "default", overrides: str | list[str] = "") -> Dic
             separated) or a list of override strings.
 
     Returns:
-        The resolved config (interpolations evaluated).
+        The resolved config (interpolations evaluated; paths filled by :func:`resolve_paths`).
 
     Raises:
         ConfigError: an unknown experiment, group option or key, or a malformed override.
@@ -50,8 +52,77 @@ def compose(experiment: str = "default", overrides: str | list[str] = "") -> Dic
         raise ConfigError(f"could not compose the config with overrides {items}: {e}") from e
     finally:
         GlobalHydra.instance().clear()
+    resolve_paths(cfg)
     validate(cfg)
     return cfg
+
+
+@dataclass(frozen=True)
+class Paths:
+    """Where an entry point reads and writes, resolved (absolute).
+
+    Attributes:
+        data_mirror: the offline data mirror folder (``dolly/``, ``mmlu/``, ``gsm8k/``,
+            ``pii/``), or None: the datasets come from the hub.
+        cache_dir: the model cache root (converted models under ``models/``).
+        outputs_root: where runs write their output folders.
+    """
+
+    data_mirror: Path | None
+    cache_dir: Path
+    outputs_root: Path
+
+
+def _set(value) -> bool:
+    return value is not None and str(value) not in ("", "null")
+
+
+def resolve_paths(cfg: DictConfig | None = None, *, data_mirror=None, cache_dir=None,
+                  outputs_root=None) -> Paths:
+    """The one resolution of the data mirror, model cache and outputs root, shared by every
+    entry point (``edgefuse run``, ``edgefuse cloud ...``, ``edgefuse models ...``, the
+    ServerApp through :func:`compose`, the bench scripts).
+
+    Each value is the first of: the keyword argument (a CLI flag), the config
+    (``data.mirror``, ``paths.cache_dir``, ``outputs.root``), the environment, the default:
+
+    * data mirror: ``EDGEFUSE_DATA_MIRROR``, then ``../shared/data`` beside the checkout
+      when it holds ``dolly/``, then the hub (None). The value ``hub``, at any level, means
+      the hub without looking further; a relative folder is found as
+      :func:`edgefuse.data.mirror_dir` says.
+    * cache: ``EDGEFUSE_CACHE``, then ``~/.cache/edgefuse`` (:func:`edgefuse.models.cache_dir`).
+    * outputs: ``EDGEFUSE_OUTPUTS``, then ``outputs``; relative to the current directory.
+
+    With ``cfg``, the resolved values are also written into it (``data.mirror`` None for
+    the hub), for every section it has.
+
+    Returns:
+        The :class:`Paths`.
+    """
+    from edgefuse.data import HUB, PROJECT_ROOT, mirror_dir
+    from edgefuse.models import cache_dir as model_cache_dir
+
+    def configured(key: str):
+        return OmegaConf.select(cfg, key, default=None) if cfg is not None else None
+
+    mirror = next((v for v in (data_mirror, configured("data.mirror"),
+                               os.environ.get("EDGEFUSE_DATA_MIRROR")) if _set(v)), None)
+    if mirror is None:
+        beside = PROJECT_ROOT.parent / "shared" / "data"
+        mirror = str(beside) if (beside / "dolly").is_dir() else HUB
+    cache = next((v for v in (cache_dir, configured("paths.cache_dir")) if _set(v)), None)
+    outputs = next((v for v in (outputs_root, configured("outputs.root"),
+                                os.environ.get("EDGEFUSE_OUTPUTS")) if _set(v)), "outputs")
+    paths = Paths(data_mirror=mirror_dir(mirror), cache_dir=model_cache_dir(cache),
+                  outputs_root=Path(str(outputs)).expanduser().resolve())
+    if cfg is not None:
+        if cfg.get("data") is not None:
+            cfg.data.mirror = None if paths.data_mirror is None else str(paths.data_mirror)
+        if cfg.get("paths") is not None:
+            cfg.paths.cache_dir = str(paths.cache_dir)
+        if cfg.get("outputs") is not None:
+            cfg.outputs.root = str(paths.outputs_root)
+    return paths
 
 
 def validate(cfg: DictConfig) -> None:

@@ -46,37 +46,46 @@ _CACHE: dict[str, object] = {}
 
 # ----------------------------------------------------------------------------- loading
 
-def _resolve_mirror_file(data_cfg) -> Path:
-    """The mirror file ``<mirror>/<mirror_file>``; a relative mirror is tried against the
-    current directory, then against the project root (the folder above ``edgefuse/``)."""
-    mirror = Path(str(data_cfg["mirror"])).expanduser()
-    rel = data_cfg["mirror_file"]
-    if mirror.is_absolute():
-        return (mirror / rel).resolve()
-    candidates = [Path.cwd() / mirror / rel, Path(__file__).resolve().parents[1] / mirror / rel]
-    for c in candidates:
-        if c.exists():
-            return c.resolve()
-    return candidates[0].resolve()
+PROJECT_ROOT = Path(__file__).resolve().parents[1]  # the folder above edgefuse/ (the checkout)
+HUB = "hub"  # data.mirror value: download from the hub, no local mirror looked for
+
+
+def mirror_dir(mirror) -> Path | None:
+    """A ``data.mirror`` value as a folder, or None for the hub (``None``, ``""``,
+    ``"null"``, :data:`HUB`).
+
+    ``~`` is expanded; a relative folder is tried against the current directory, then
+    against :data:`PROJECT_ROOT` (the current directory's when neither exists). Whether the
+    folder exists is for the caller to check. Which mirror a run uses (config, env,
+    ``../shared/data``, hub) is decided by :func:`edgefuse.config.resolve_paths`.
+    """
+    if mirror is None or str(mirror) in ("", "null", HUB):
+        return None
+    path = Path(str(mirror)).expanduser()
+    if path.is_absolute():
+        return path.resolve()
+    candidates = [Path.cwd() / path, PROJECT_ROOT / path]
+    return next((c for c in candidates if c.is_dir()), candidates[0]).resolve()
 
 
 def mirror_file(data_cfg) -> Path | None:
-    """The dataset file in the configured mirror, or None when no mirror is set (hub).
+    """The dataset file ``<data.mirror>/<data.mirror_file>``, or None when the data comes
+    from the hub (no mirror, see :func:`mirror_dir`).
 
     Raises:
         FileNotFoundError: a mirror is set but the file is not there; the message names
             the config key ``data.mirror`` and the env var ``EDGEFUSE_DATA_MIRROR``.
     """
-    mirror = data_cfg.get("mirror")
-    if mirror in (None, "", "null"):
+    folder = mirror_dir(data_cfg.get("mirror"))
+    if folder is None:
         return None
-    path = _resolve_mirror_file(data_cfg)
+    path = (folder / data_cfg["mirror_file"]).resolve()
     if not path.is_file():
         raise FileNotFoundError(
-            f"{data_cfg['name']} mirror file not found: {path} (data.mirror={str(mirror)!r}, "
-            f"data.mirror_file={data_cfg['mirror_file']!r}). Point data.mirror (or env "
-            f"EDGEFUSE_DATA_MIRROR) at the folder holding it, or set data.mirror=null "
-            f"to download {data_cfg['hub_id']!r} from the hub.")
+            f"{data_cfg['name']} mirror file not found: {path} (data.mirror="
+            f"{str(data_cfg.get('mirror'))!r}, data.mirror_file={data_cfg['mirror_file']!r}). "
+            f"Point data.mirror (or env EDGEFUSE_DATA_MIRROR) at the folder holding it, or set "
+            f"data.mirror={HUB} to download {data_cfg['hub_id']!r} from the hub.")
     return path
 
 
@@ -94,6 +103,7 @@ def load_dolly(data_cfg):
     Raises:
         ValueError: unknown ``data.name`` (the message lists supported names).
         FileNotFoundError: ``data.mirror`` is set but the file is not there.
+        RuntimeError: no mirror, and the hub could not be reached (offline, unknown id).
     """
     import datasets
 
@@ -109,7 +119,14 @@ def load_dolly(data_cfg):
     else:
         key = f"hub:{data_cfg['hub_id']}"
         if key not in _CACHE:
-            _CACHE[key] = datasets.load_dataset(data_cfg["hub_id"], split="train")
+            try:
+                _CACHE[key] = datasets.load_dataset(data_cfg["hub_id"], split="train")
+            except Exception as e:  # offline, hub errors: many types
+                raise RuntimeError(
+                    f"could not load {data_cfg['hub_id']!r} from the hub ({type(e).__name__}: "
+                    f"{' '.join(str(e).split())[:300]}); offline, point data.mirror or env "
+                    f"EDGEFUSE_DATA_MIRROR at a data mirror holding {data_cfg['mirror_file']} "
+                    f"(e.g. ../shared/data)") from e
     return _CACHE[key]
 
 

@@ -24,9 +24,11 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from edgefuse.app import phases
-from edgefuse.config import CONF_DIR, ConfigError, validate
-from edgefuse.models import ModelFetchError, ModelSpecError, cache_dir, get_spec, is_fetched
-from edgefuse.data import mirror_file
+from edgefuse.cli.common import one_line, quote_override
+from edgefuse.config import CONF_DIR, ConfigError, resolve_paths, validate
+from edgefuse.data import HUB, mirror_file
+from edgefuse.eval.splits import public_slices
+from edgefuse.models import ModelFetchError, ModelSpecError, get_spec, is_fetched
 from edgefuse.results import RunRecorder, load_results
 
 APP_DIR = Path(__file__).resolve().parents[2]  # the Flower app: the folder with pyproject.toml
@@ -44,28 +46,17 @@ class RunFailed(RuntimeError):
     """``flwr run`` exited non-zero or the run did not complete."""
 
 
-def _quote(value: str) -> str:
-    """Quote a value for the Hydra override grammar."""
-    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
-
-
-def default_mirror() -> Path | None:
-    """``../shared/data`` beside the checkout, when it holds the data (the offline mirror)."""
-    cand = APP_DIR.parent / "shared" / "data"
-    return cand.resolve() if (cand / "dolly").is_dir() else None
-
-
 def pinned_overrides(cfg: DictConfig, task_overrides: list[str]) -> list[str]:
-    """The job's overrides plus this environment's cache and mirror, always explicit.
+    """The job's overrides plus the cache and mirror of ``cfg`` (as
+    :func:`edgefuse.config.resolve_paths` filled them), always explicit.
 
     A long-lived local SuperLink composes the config in its own environment, so nothing
-    environment-dependent is left for it to fill in (``data.mirror=null`` = the hub).
+    environment-dependent is left for it to fill in (``data.mirror=hub`` = the hub).
     """
-    items = list(task_overrides)
-    items.append(f"paths.cache_dir={_quote(str(cache_dir(cfg.paths.cache_dir)))}")
     mirror = cfg.data.get("mirror")
-    items.append("data.mirror=" + (_quote(str(Path(mirror).expanduser().resolve()))
-                                   if mirror else "null"))
+    items = list(task_overrides)
+    items.append(f"paths.cache_dir={quote_override(str(cfg.paths.cache_dir))}")
+    items.append("data.mirror=" + (quote_override(str(mirror)) if mirror else HUB))
     return items
 
 
@@ -105,7 +96,7 @@ def prefetch(cfg: DictConfig) -> None:
     if not missing:
         return
     cmd = [sys.executable, "-m", "edgefuse.cli", "models", "fetch", *missing,
-           "--cache-dir", str(cache_dir(cfg.paths.cache_dir))]
+           "--cache-dir", str(cfg.paths.cache_dir)]
     if subprocess.run(cmd).returncode != 0:
         raise ModelFetchError(f"fetching {', '.join(missing)} failed (see above)")
 
@@ -201,12 +192,12 @@ def hydra_main(cfg: DictConfig) -> None:
     """One Hydra job = one federated run, in the job's own output folder."""
     hc = HydraConfig.get()
     out = Path(hc.runtime.output_dir).resolve()
-    if not cfg.data.get("mirror") and default_mirror():
-        cfg.data.mirror = str(default_mirror())
     try:
+        resolve_paths(cfg)
         validate(cfg)
         phases.check(cfg)
         mirror_file(cfg.data)  # fail here, not in every client
+        public_slices(cfg.data, int(cfg.seed))  # and a public split too small for its slices
         prefetch(cfg)
         if other := foreign_superlink():
             print(f"[edgefuse] warning: the running local SuperLink ({other}) belongs to another "
@@ -216,9 +207,9 @@ def hydra_main(cfg: DictConfig) -> None:
     except KeyboardInterrupt:
         print(f"[edgefuse] stopped; partial results in {out}", file=sys.stderr, flush=True)
         sys.exit(130)
-    except (ConfigError, ModelSpecError, ModelFetchError, FileNotFoundError, RunFailed) as e:
+    except (ConfigError, ModelSpecError, ModelFetchError, FileNotFoundError, ValueError, RuntimeError) as e:
         if not (out / "results.json").exists():  # nothing ran: leave no empty folder behind
             shutil.rmtree(out, ignore_errors=True)
-        print(f"edgefuse: error: {e}", file=sys.stderr, flush=True)
+        print(f"edgefuse: error: {one_line(e)}", file=sys.stderr, flush=True)
         sys.exit(2)
     print(f"[edgefuse] done: {out}", flush=True)

@@ -13,21 +13,35 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
+from edgefuse.cli.common import CLIError, one_line, quote_override
+from edgefuse.config import resolve_paths
 from edgefuse.models import REGISTRY, ModelFetchError, ModelSpecError, fetch, is_fetched, model_dir
 
 EDGE_SLMS = ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"]
+CACHE_HELP = "model cache root (default: paths.cache_dir, $EDGEFUSE_CACHE, ~/.cache/edgefuse)"
+
+
+class Parser(argparse.ArgumentParser):
+    """``argparse`` that reports a usage error as one line (and exits 2), not usage + error."""
+
+    def error(self, message: str):
+        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
 
 
 def _models(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="edgefuse models")
+    parser = Parser(prog="edgefuse models")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("list", help="registered models and their cache state")
+    ls = sub.add_parser("list", help="registered models and their cache state")
+    ls.add_argument("--cache-dir", default=None, help=CACHE_HELP)
     f = sub.add_parser("fetch", help="download, verify and convert embedded models once")
     f.add_argument("names", nargs="*", help=f"default: {' '.join(EDGE_SLMS)}")
-    f.add_argument("--cache-dir", default=None, help="cache root (default $EDGEFUSE_CACHE or ~/.cache/edgefuse)")
+    f.add_argument("--cache-dir", default=None, help=CACHE_HELP)
     args = parser.parse_args(argv)
+    cache = resolve_paths(cache_dir=args.cache_dir).cache_dir
     if args.cmd == "list":
         from rich.console import Console
         from rich.table import Table
@@ -38,25 +52,24 @@ def _models(argv: list[str]) -> int:
         for spec in REGISTRY.values():
             if spec.tiny:
                 cached = "built in"
-            elif is_fetched(spec):
+            elif is_fetched(spec, cache):
                 cached = "yes"
             else:
-                cached = "incomplete: re-fetch" if model_dir(spec).exists() else "no"
+                cached = "incomplete: re-fetch" if model_dir(spec, cache).exists() else "no"
             table.add_row(spec.name, spec.arch, spec.hub_id or "-", cached, spec.license_note or "-")
         Console(width=None if sys.stdout.isatty() else 160).print(table)
         return 0
     for name in args.names or EDGE_SLMS:
         try:
-            path = fetch(name, args.cache_dir)
+            path = fetch(name, cache)
         except (ModelSpecError, ModelFetchError) as e:
-            print(f"edgefuse: {e}", file=sys.stderr)
-            return 2
+            raise CLIError(e) from None
         print(f"{name}: {path}")
     return 0
 
 
 def _fusers(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="edgefuse fusers")
+    parser = Parser(prog="edgefuse fusers")
     sub = parser.add_subparsers(dest="cmd", required=True)
     ls = sub.add_parser("list", help="every fuser version in a registry folder (from the cards; "
                                      "weights are verified when a fuser is loaded)")
@@ -71,14 +84,12 @@ def _fusers(argv: list[str]) -> int:
 
     root = Path(args.registry)
     if not root.is_dir():
-        print(f"edgefuse: no registry folder {root}", file=sys.stderr)
-        return 2
+        raise CLIError(f"no registry folder {root}")
     reg = FuserRegistry(root)
     try:
         cards = reg.list()
     except FuserIntegrityError as e:
-        print(f"edgefuse: {e}", file=sys.stderr)
-        return 2
+        raise CLIError(e) from None
     table = Table(title=f"fusers in {reg.root}")
     for col in ("sharer", "receiver", "version", "latest", "params", "MB", "steps", "val loss", "alone"):
         table.add_column(col, justify="left" if col in ("sharer", "receiver", "version") else "right")
@@ -95,7 +106,7 @@ def _fusers(argv: list[str]) -> int:
 
 
 def _cloud(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="edgefuse cloud")
+    parser = Parser(prog="edgefuse cloud")
     sub = parser.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve", help="serve a target LLM to devices (framed TCP, see edgefuse.cloud.service)")
     s.add_argument("--model", required=True, help="a registered model name (edgefuse models list)")
@@ -111,6 +122,7 @@ def _cloud(argv: list[str]) -> int:
     s.add_argument("--max-context", type=int, default=2048, help="tokens per session, at most (default 2048)")
     s.add_argument("--port-file", default=None, help="write the bound port here once listening")
     s.add_argument("--log-level", default="INFO", help="logging level on stderr (default INFO)")
+    s.add_argument("--cache-dir", default=None, help=CACHE_HELP)
     h = sub.add_parser("health", help="print a running service's status as JSON")
     h.add_argument("--host", default="127.0.0.1")
     h.add_argument("--port", type=int, default=39200)
@@ -133,6 +145,10 @@ def _cloud(argv: list[str]) -> int:
     g.add_argument("--confidence", default="entropy", choices=["entropy", "margin"])
     g.add_argument("--deadline-ms", type=float, default=1000.0, help="per fused token (ms)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument("--cache-dir", default=None, help=CACHE_HELP)
+    g.add_argument("--data-mirror", default=None,
+                   help="data mirror for --draft-head's corpus (default: data.mirror, $EDGEFUSE_DATA_MIRROR, "
+                        "../shared/data, the hub; 'hub' = the hub)")
     args = parser.parse_args(argv)
     if args.cmd == "generate":
         from edgefuse.cloud.chat import run
@@ -144,9 +160,8 @@ def _cloud(argv: list[str]) -> int:
         try:
             return run(args)
         except (DecodeError, ModelSpecError, ModelFetchError, FileNotFoundError, ValueError,
-                RemoteError, RuntimeError) as e:  # RuntimeError: e.g. an adapter of another model
-            print(f"edgefuse: {e}", file=sys.stderr)
-            return 2
+                RemoteError, RuntimeError) as e:  # RuntimeError: e.g. an adapter of another model, the hub
+            raise CLIError(e) from None
     if args.cmd == "health":
         import json
 
@@ -155,8 +170,7 @@ def _cloud(argv: list[str]) -> int:
         try:
             status = cloud_health(args.host, args.port, args.timeout)
         except CloudUnavailable as e:
-            print(f"edgefuse: {e}", file=sys.stderr)
-            return 1
+            raise CLIError(e, status=1) from None
         print(json.dumps(status, indent=2, sort_keys=True))
         return 0
     import logging
@@ -166,35 +180,88 @@ def _cloud(argv: list[str]) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # serve() loads through edgefuse.models.cache_dir(), which reads EDGEFUSE_CACHE
+    os.environ["EDGEFUSE_CACHE"] = str(resolve_paths(cache_dir=args.cache_dir).cache_dir)
     try:
         serve(args.model, args.host, args.port, max_batch=args.max_batch,
               max_wait_ms=args.max_wait_ms, max_sessions=args.max_sessions, threads=args.threads,
               max_context=args.max_context, port_file=args.port_file)
     except (ModelSpecError, ModelFetchError, ValueError, OSError) as e:
-        print(f"edgefuse: {e}", file=sys.stderr)
-        return 2
+        raise CLIError(e) from None
     return 0
 
 
+def _check_run_overrides(items: list[str]) -> None:
+    """Compose the config of ``edgefuse run``'s first job before Hydra starts, so a bad
+    override is one line here, not Hydra's report. A sweep (``a=1,2``) is checked with its
+    first value; Hydra's own flags and ``hydra.*`` overrides are left to Hydra.
+
+    Raises:
+        CLIError: an override that does not parse, an unknown key or group option, or a
+            value a check refuses (:func:`edgefuse.app.phases.compose`).
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from edgefuse.app.phases import compose
+    from edgefuse.config import ConfigError
+
+    parser = OverridesParser.create()
+    job = []
+    for item in items:
+        if item.startswith("-") or "=" not in item or item.lstrip("+~").startswith("hydra"):
+            continue
+        try:
+            o = parser.parse_overrides([item])[0]
+        except Exception as e:  # hydra's OverrideParseException and friends
+            raise CLIError(f"bad override {item!r}: {one_line(e)}") from None
+        if o.is_sweep_override():
+            first = next(o.sweep_string_iterator())
+            plain = all(c.isalnum() or c in "._-+/:" for c in first)
+            first = first if plain else quote_override(first)
+            job.append(f"{o.get_key_element()}={first}")
+        else:
+            job.append(item)
+    try:
+        compose("default", job)
+    except ConfigError as e:
+        raise CLIError(e) from None
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``edgefuse`` console script."""
+    """Entry point of the ``edgefuse`` console script. Every failure is one line on stderr
+    (``edgefuse: error: ...``) and a non-zero exit status, never a traceback; set
+    ``EDGEFUSE_DEBUG=1`` for the traceback of an unexpected error."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0
-    if argv[0] == "models":
-        return _models(argv[1:])
-    if argv[0] == "fusers":
-        return _fusers(argv[1:])
-    if argv[0] == "cloud":
-        return _cloud(argv[1:])
-    if argv[0] == "run":
-        from edgefuse.cli.launch import hydra_main
+    try:
+        if argv[0] == "models":
+            return _models(argv[1:])
+        if argv[0] == "fusers":
+            return _fusers(argv[1:])
+        if argv[0] == "cloud":
+            return _cloud(argv[1:])
+        if argv[0] == "run":
+            if not any(a in ("-h", "--help", "--hydra-help") for a in argv[1:]):
+                _check_run_overrides(argv[1:])
+            from edgefuse.cli.launch import hydra_main
 
-        sys.argv = [sys.argv[0], *argv[1:]]
-        return hydra_main() or 0
-    print(f"edgefuse: unknown command {argv[0]!r}\n{__doc__}", file=sys.stderr)
-    return 2
+            sys.argv = [sys.argv[0], *argv[1:]]
+            return hydra_main() or 0
+        raise CLIError(f"unknown command {argv[0]!r}: use models, fusers, run or cloud (edgefuse --help)")
+    except CLIError as e:
+        print(f"edgefuse: error: {one_line(e)}", file=sys.stderr)
+        return e.status
+    except KeyboardInterrupt:
+        print("edgefuse: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # an unexpected failure: still one line
+        if os.environ.get("EDGEFUSE_DEBUG"):
+            raise
+        print(f"edgefuse: error: {type(e).__name__}: {one_line(e)} (EDGEFUSE_DEBUG=1 shows the "
+              "traceback)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

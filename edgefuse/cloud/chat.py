@@ -59,15 +59,23 @@ def _prompt_ids(tok, messages: list[dict]) -> list[int]:
 
 
 def run(args) -> int:
-    """The command (arguments from :func:`edgefuse.cli.main`); returns the exit status."""
+    """The command (arguments from :func:`edgefuse.cli.main`); returns the exit status.
+
+    Models load from, and the draft head's corpus comes from, what
+    :func:`edgefuse.config.resolve_paths` gives ``--cache-dir`` / ``--data-mirror``.
+    """
     from edgefuse.transport.wan import WanProfile
 
     from edgefuse.cloud.link import CloudLink, CloudUnavailable
 
+    from edgefuse.config import resolve_paths
+
     if args.threads:
         torch.set_num_threads(args.threads)
     modes = list(MODES) if args.mode == "all" else [args.mode]
-    model, tok = load_edge(args.model, args.adapter)
+    paths = resolve_paths(data_mirror=getattr(args, "data_mirror", None),
+                          cache_dir=getattr(args, "cache_dir", None))
+    model, tok = load_edge(args.model, args.adapter, paths.cache_dir)
     head = None
     if args.draft_head:
         from edgefuse.config import compose
@@ -75,13 +83,14 @@ def run(args) -> int:
         from edgefuse.cloud.devices import pruned_head
 
         cfg = compose("default")
-        head = pruned_head(model, tok, cfg.data, int(cfg.seed), args.draft_head)
+        resolve_paths(cfg, data_mirror=paths.data_mirror or "hub", cache_dir=paths.cache_dir)
+        head = pruned_head(model, tok, cfg.data, int(cfg.seed), args.draft_head, cfg.paths.cache_dir)
     link = None
     if any(m != "edge" for m in modes):
         try:
             link = CloudLink.connect(args.host, args.port, wan=WanProfile.from_name(args.wan))
         except CloudUnavailable as e:
-            print(f"edgefuse: no cloud service at {args.host}:{args.port} ({e}). Start one with "
+            print(f"edgefuse: error: no cloud service at {args.host}:{args.port} ({e}). Start one with "
                   f"`edgefuse cloud serve --model qwen2.5-coder-1.5b --port {args.port}`, "
                   "or use --mode edge", file=sys.stderr)
             return 1

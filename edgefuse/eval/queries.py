@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from edgefuse.data import DATASETS, IGNORE_INDEX, format_example, tokenize_example
+from edgefuse.data import DATASETS, IGNORE_INDEX, format_example, mirror_dir, tokenize_example
 from edgefuse.eval.splits import public_slices
 
 from edgefuse.kvcache import fused_forward
@@ -108,26 +108,16 @@ def _mmlu_instruction(question: str, choices: list[str]) -> str:
     return "\n".join(lines + ["Answer with the letter of the correct choice."])
 
 
-def _resolve_dir(mirror: str | Path) -> Path:
-    """``mirror`` as a folder: absolute as is, relative against the current directory,
-    then against the project root (as :mod:`edgefuse.data` resolves ``data.mirror``)."""
-    path = Path(mirror).expanduser()
-    if path.is_absolute():
-        return path
-    candidates = [Path.cwd() / path, Path(__file__).resolve().parents[2] / path]
-    return next((c for c in candidates if c.is_dir()), candidates[0]).resolve()
-
-
 def _mmlu_from_mirror(mirror: str | Path, split: str, subjects: list[str] | None) -> dict[str, list[dict]]:
     import datasets
 
-    folder = _resolve_dir(mirror) / "mmlu" / split
+    folder = mirror_dir(mirror) / "mmlu" / split
     files = {p.name[:-len(f"_{split}.csv")]: p for p in sorted(folder.glob(f"*_{split}.csv"))}
     if not files:
         raise FileNotFoundError(
             f"no MMLU files {folder}/SUBJECT_{split}.csv (mirror={str(mirror)!r}). Point "
             f"data.mirror (the data mirror, e.g. ../shared/data) at the folder "
-            f"holding mmlu/{split}/, or set it to null to download {MMLU_HUB_ID!r} from the hub.")
+            f"holding mmlu/{split}/, or set it to hub to download {MMLU_HUB_ID!r} from the hub.")
     if subjects is not None:
         unknown = sorted(set(subjects) - set(files))
         if unknown:
@@ -174,7 +164,7 @@ def load_mmlu(mirror: str | Path | None, n: int, seed: int, split: str = "test",
     Reads ``<mirror>/mmlu/<split>/<subject>_<split>.csv`` (header
     ``question,choice0..choice3,answer``) with ``datasets``, every choice as a string
     (``keep_default_na=False``: a choice "None" or "NA" stays that text); with
-    ``mirror=None`` loads the hub dataset ``cais/mmlu`` (config ``all``). Draw: a seeded
+    ``mirror=None`` (or ``"hub"``) loads the hub dataset ``cais/mmlu`` (config ``all``). Draw: a seeded
     generator shuffles the subject order and the rows of each subject; questions are then
     taken round-robin (the first row of every subject, then the second, ...) until ``n``.
     Each query's instruction is the question, ``A. ..`` to ``D. ..`` on their own lines,
@@ -194,10 +184,11 @@ def load_mmlu(mirror: str | Path | None, n: int, seed: int, split: str = "test",
         raise ValueError(f"n must be >= 1, got {n}")
     if split not in MMLU_SPLITS:
         raise ValueError(f"MMLU split must be one of {MMLU_SPLITS}, got {split!r}")
-    source = "hub" if mirror is None else str(_resolve_dir(mirror))
-    key = (source, split, None if subjects is None else tuple(sorted(set(subjects))))
+    folder = mirror_dir(mirror)
+    key = ("hub" if folder is None else str(folder), split,
+           None if subjects is None else tuple(sorted(set(subjects))))
     if key not in _MMLU_CACHE:
-        _MMLU_CACHE[key] = (_mmlu_from_hub(split, subjects) if mirror is None
+        _MMLU_CACHE[key] = (_mmlu_from_hub(split, subjects) if folder is None
                             else _mmlu_from_mirror(mirror, split, subjects))
     table = _MMLU_CACHE[key]
     total = sum(len(rows) for rows in table.values())
@@ -241,8 +232,8 @@ def gsm8k_final(text: str) -> str | None:
 def load_gsm8k(mirror: str | Path | None, n: int, seed: int, split: str = "test") -> list[Query]:
     """``n`` GSM8K questions drawn by ``seed`` (without replacement) from ``split``.
 
-    Reads ``<mirror>/gsm8k/<split>.jsonl`` with ``datasets``; ``mirror=None`` loads the hub
-    dataset ``openai/gsm8k`` (config ``main``). The instruction is the question plus
+    Reads ``<mirror>/gsm8k/<split>.jsonl`` with ``datasets``; ``mirror=None`` (or ``"hub"``)
+    loads the hub dataset ``openai/gsm8k`` (config ``main``). The instruction is the question plus
     :data:`GSM8K_INSTRUCTION`; ``reference`` is the gold final number (:func:`gsm8k_final`).
 
     Raises:
@@ -254,18 +245,19 @@ def load_gsm8k(mirror: str | Path | None, n: int, seed: int, split: str = "test"
 
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
-    if mirror is None:
+    if mirror_dir(mirror) is None:
         try:
             ds = datasets.load_dataset(GSM8K_HUB_ID, "main", split=split)
         except Exception as e:  # offline, hub errors, unknown split: many types
             raise RuntimeError(f"could not load {GSM8K_HUB_ID!r} (split {split!r}) from the hub: "
-                               f"{type(e).__name__}: {e}. Offline, set data.mirror to a data mirror "
+                               f"{type(e).__name__}: {' '.join(str(e).split())[:300]}. Offline, set "
+                               "data.mirror to a data mirror "
                                f"holding gsm8k/{split}.jsonl (e.g. ../shared/data).") from e
     else:
-        path = _resolve_dir(mirror) / "gsm8k" / f"{split}.jsonl"
+        path = mirror_dir(mirror) / "gsm8k" / f"{split}.jsonl"
         if not path.is_file():
             raise FileNotFoundError(f"no GSM8K file {path} (mirror={str(mirror)!r}). Point data.mirror "
-                                    "at the data mirror (e.g. ../shared/data), or set it to null "
+                                    "at the data mirror (e.g. ../shared/data), or set it to hub "
                                     f"to download {GSM8K_HUB_ID!r} from the hub.")
         ds = datasets.load_dataset("json", data_files=str(path), split="train")
     if n > len(ds):

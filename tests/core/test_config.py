@@ -1,4 +1,5 @@
 import re
+from pathlib import Path
 
 import pytest
 
@@ -97,3 +98,51 @@ def test_public_slices_follow_the_phase_settings():
 def test_public_slice_budget_checked_at_compose_time(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         compose_checked("tiny", [override])
+
+
+def test_resolve_paths_order(tmp_path, monkeypatch):
+    """Flag > config > environment > ../shared/data beside the checkout > hub; 'hub' stops."""
+    from omegaconf import OmegaConf
+
+    from edgefuse import data
+    from edgefuse.config import resolve_paths
+
+    checkout, beside = tmp_path / "checkout", tmp_path / "shared" / "data"
+    (beside / "dolly").mkdir(parents=True)
+    env_dir, cfg_dir, flag_dir = (tmp_path / n for n in ("env", "cfg", "flag"))
+    monkeypatch.setattr(data, "PROJECT_ROOT", checkout)
+    for var in ("EDGEFUSE_DATA_MIRROR", "EDGEFUSE_CACHE", "EDGEFUSE_OUTPUTS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.chdir(tmp_path)
+    p = resolve_paths()
+    assert (p.data_mirror, p.outputs_root) == (beside, tmp_path / "outputs")
+    assert p.cache_dir == (Path.home() / ".cache" / "edgefuse").resolve()
+    monkeypatch.setenv("EDGEFUSE_DATA_MIRROR", str(env_dir))
+    monkeypatch.setenv("EDGEFUSE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("EDGEFUSE_OUTPUTS", "runs")
+    p = resolve_paths()
+    assert (p.data_mirror, p.cache_dir, p.outputs_root) == (env_dir, tmp_path / "cache", tmp_path / "runs")
+    cfg = OmegaConf.create({"data": {"mirror": str(cfg_dir)}, "paths": {"cache_dir": "c2"},
+                            "outputs": {"root": "o2"}})
+    p = resolve_paths(cfg)
+    assert (p.data_mirror, p.cache_dir, p.outputs_root) == (cfg_dir, tmp_path / "c2", tmp_path / "o2")
+    assert (cfg.data.mirror, cfg.paths.cache_dir, cfg.outputs.root) == \
+        (str(cfg_dir), str(tmp_path / "c2"), str(tmp_path / "o2"))  # written back
+    assert resolve_paths(cfg, data_mirror=str(flag_dir)).data_mirror == flag_dir
+    # "hub" at any level: the hub, without looking further; the config then holds null
+    assert resolve_paths(data_mirror="hub").data_mirror is None
+    monkeypatch.setenv("EDGEFUSE_DATA_MIRROR", "hub")
+    hub = OmegaConf.create({"data": {"mirror": None}})
+    assert resolve_paths(hub).data_mirror is None and hub.data.mirror is None
+    monkeypatch.delenv("EDGEFUSE_DATA_MIRROR")
+    (beside / "dolly").rmdir()
+    assert resolve_paths().data_mirror is None  # nothing beside the checkout: the hub
+
+
+def test_compose_resolves_paths(monkeypatch, tmp_path):
+    monkeypatch.setenv("EDGEFUSE_DATA_MIRROR", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    cfg = compose("tiny", "outputs.root=runs")
+    assert cfg.data.mirror == str(tmp_path) and cfg.outputs.root == str(tmp_path / "runs")
+    assert cfg.paths.cache_dir and cfg.paths.cache_dir.startswith("/")
+    assert compose("tiny", "data.mirror=hub").data.mirror is None
