@@ -39,7 +39,6 @@ from .examples import build_pair_examples
 from .train import evaluate_pair, train_fuser
 
 MODES = ("alone", "t2t", "c2c", "co_c2c", "multi")  # c2c.eval.modes
-VAL_ROWS = 8  # TRANSITIONAL: the phases' old skip arithmetic; the size is data.public_slices.fuser_val
 
 
 def _log(msg: str, *args) -> None:

@@ -269,7 +269,7 @@ def load_gsm8k(mirror: str | Path | None, n: int, seed: int, split: str = "test"
                   category="gsm8k") for i in rows]
 
 
-def dolly_eval_queries(data_cfg, seed: int, per_category: int, skip=None) -> list[Query]:
+def dolly_eval_queries(data_cfg, seed: int, per_category: int) -> list[Query]:
     """Held-out Dolly queries: the ``eval`` slice of the public split (rows no client holds,
     no fuser trains on, the draft head never counts; :func:`edgefuse.eval.splits.public_slices`).
 
@@ -284,7 +284,6 @@ def dolly_eval_queries(data_cfg, seed: int, per_category: int, skip=None) -> lis
             (the slice's rows per category); see also :func:`edgefuse.eval.splits.public_slices`.
         FileNotFoundError: see :func:`edgefuse.data.load_dolly`.
     """
-    del skip  # TRANSITIONAL: ignored, the eval slice already follows the fuser rows
     sl = public_slices(data_cfg, seed)
     if not 1 <= per_category <= sl.sizes.eval_per_category:
         raise ValueError(f"asked for {per_category} Dolly evaluation rows per category, the eval slice "

@@ -46,7 +46,7 @@ from edgefuse.app import messages as M
 from edgefuse.app.messages import NodeError
 from edgefuse.app.phases.base import Phase, PhaseContext
 from edgefuse.app.strategy import GroupedLoRA, NodeInfo
-from edgefuse.c2c.hub import VAL_ROWS, FuserService, Side, kv_spec, pair_list
+from edgefuse.c2c.hub import FuserService, Side, kv_spec, pair_list
 from edgefuse.c2c.hub import check_config
 from edgefuse.c2c.peer import pack_frames, unpack_frames
 from edgefuse.c2c.registry import FuserRegistry, pack_state
@@ -79,8 +79,7 @@ def load_queries(cfg) -> list[Query]:
     if int(ev.mmlu_n) > 0:
         out += load_mmlu(cfg.data.mirror, int(ev.mmlu_n), int(cfg.seed), split=str(ev.mmlu_split))
     if int(ev.dolly_per_category) > 0:
-        out += dolly_eval_queries(cfg.data, int(cfg.seed), int(ev.dolly_per_category),
-                                  skip=int(cfg.c2c.train.examples) + VAL_ROWS)
+        out += dolly_eval_queries(cfg.data, int(cfg.seed), int(ev.dolly_per_category))
     return out
 
 

@@ -19,7 +19,6 @@ from flwr.common.logger import log
 from edgefuse.app import messages as M
 from edgefuse.app.phases.base import Phase, PhaseContext
 from edgefuse.app.strategy import GroupedLoRA, NodeInfo
-from edgefuse.c2c.hub import VAL_ROWS
 from edgefuse.cloud.decoding import DecodeResult, check_config
 from edgefuse.cloud.devices import Record, summarize, table
 from edgefuse.config import ConfigError
@@ -39,8 +38,7 @@ def load_queries(cfg) -> list:
     if int(ev.gsm8k_n) > 0:
         out += load_gsm8k(cfg.data.mirror, int(ev.gsm8k_n), int(cfg.seed))
     if int(ev.dolly_per_category) > 0:
-        skip = int(cfg.c2c.train.examples) + VAL_ROWS if cfg.get("c2c") and cfg.c2c.get("train") else 0
-        out += dolly_eval_queries(cfg.data, int(cfg.seed), int(ev.dolly_per_category), skip=skip)
+        out += dolly_eval_queries(cfg.data, int(cfg.seed), int(ev.dolly_per_category))
     return out
 
 
