@@ -28,13 +28,12 @@ from .fuser import (
 )
 from .layer_map import layer_mapping
 from .exchange import KVPayloadError, decode_kv_cache, encode_kv_cache
-from .multi import (
+from .multi import MultiSharerGate, fuse_many
+from .gate_train import (
     MultiExample,
-    MultiSharerGate,
     build_multi_example,
     build_multi_examples,
     evaluate_multi,
-    fuse_many,
     multi_loss,
     train_gate,
 )

@@ -320,7 +320,8 @@ def train_multi_gate(cfg, service: FuserService, sides: dict[str, Side], receive
         ``(state, meta)``: the gate's float32 state and ``{"kwargs", "params", "loss_before",
         "loss_after", "steps"}``.
     """
-    from .multi import MultiSharerGate, build_multi_examples, evaluate_multi, train_gate
+    from .gate_train import build_multi_examples, evaluate_multi, train_gate
+    from .multi import MultiSharerGate
 
     t = cfg.c2c.train
     r_model, r_tok = load_public_copy(cfg, sides[receiver])

@@ -689,14 +689,16 @@ def start_service_process(model: str, host: str = "127.0.0.1", port: int = 0, *,
                           threads: int | None = 1, max_context: int = 2048,
                           log_path: str | os.PathLike | None = None, timeout_s: float = 120.0,
                           log_level: str = "INFO", python: str = sys.executable,
-                          env: dict | None = None) -> tuple[subprocess.Popen, int]:
+                          env: dict | None = None,
+                          cache_dir: str | os.PathLike | None = None) -> tuple[subprocess.Popen, int]:
     """Start ``edgefuse cloud serve`` as a child process and wait until it answers a health
     check; returns ``(process, bound port)``. ``port=0`` picks a free port. The child's
     stdout+stderr go to ``log_path`` (appended; default: a temporary file), available as
     ``process.log_path``.
 
     Raises :class:`ServiceStartError` (with the log tail) if the process exits first or does
-    not answer within ``timeout_s`` seconds (the process is then stopped)."""
+    not answer within ``timeout_s`` seconds (the process is then stopped). ``cache_dir``: the
+    model cache the child loads from (``None``: its own default resolution)."""
     from edgefuse.cloud.link import cloud_health
 
     workdir = Path(tempfile.mkdtemp(prefix="edgefuse-cloud-"))
@@ -708,6 +710,8 @@ def start_service_process(model: str, host: str = "127.0.0.1", port: int = 0, *,
            "--port-file", str(port_file), "--log-level", log_level]
     if threads:
         cmd += ["--threads", str(threads)]
+    if cache_dir is not None:
+        cmd += ["--cache-dir", str(cache_dir)]
     child_env = dict(os.environ if env is None else env)
     child_env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(_REPO_ROOT), child_env.get("PYTHONPATH", "")) if p)

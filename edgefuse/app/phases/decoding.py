@@ -32,7 +32,8 @@ class DecodingError(RuntimeError):
 
 def load_queries(cfg) -> list:
     """``cloud.eval.gsm8k_n`` GSM8K test questions and ``cloud.eval.dolly_per_category``
-    held-out public Dolly rows per category (after the rows the C2C phase uses)."""
+    rows per category of the public split's evaluation slice (:func:`edgefuse.eval.splits.public_slices`),
+    the same rows the C2C phase scores."""
     ev = cfg.cloud.eval
     out = []
     if int(ev.gsm8k_n) > 0:
@@ -103,7 +104,8 @@ class Decoding(Phase):
             str(c.model), str(c.host), int(c.port), max_batch=int(svc.max_batch),
             max_wait_ms=float(svc.max_wait_ms), max_sessions=int(svc.max_sessions),
             threads=int(svc.threads), max_context=int(svc.max_context),
-            log_path=out / "cloud_service.log", timeout_s=float(svc.start_timeout_s))
+            log_path=out / "cloud_service.log", timeout_s=float(svc.start_timeout_s),
+            cache_dir=cfg.paths.cache_dir)
         started = time.perf_counter() - t0
         try:
             log(INFO, "cloud: partition %d (%s) decodes %d prompts in %d modes with %d sessions over %s",
