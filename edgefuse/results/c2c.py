@@ -17,9 +17,12 @@ from edgefuse.results.section import DASH, Plot, Section, finite, fmt, rows_csv
 
 C2C_CSV_NAME = "c2c.csv"
 C2C_PNG_NAME = "c2c.png"
-C2C_COLUMNS = ("receiver", "sharers", "mode", "n", "mmlu_acc", "rougeL", "latency_ms",
-               "latency_ms_mmlu", "latency_ms_dolly", "exchange_ms", "prefill_ms", "fuse_ms",
-               "decode_ms", "bytes_sent", "error")
+C2C_COLUMNS = ("receiver", "sharers", "mode", "n", "n_mmlu", "mmlu_acc", "mmlu_acc_ci95_low",
+               "mmlu_acc_ci95_high", "mmlu_acc_vs_alone", "mmlu_acc_vs_alone_ci95_low",
+               "mmlu_acc_vs_alone_ci95_high", "n_dolly", "rougeL", "rougeL_ci95_low",
+               "rougeL_ci95_high", "rougeL_vs_alone", "rougeL_vs_alone_ci95_low",
+               "rougeL_vs_alone_ci95_high", "latency_ms", "latency_ms_mmlu", "latency_ms_dolly",
+               "exchange_ms", "prefill_ms", "fuse_ms", "decode_ms", "bytes_sent", "error")
 C2C_MODE_ORDER = ("alone", "t2t", "c2c", "co_c2c", "multi")
 
 
@@ -69,18 +72,32 @@ def plot_c2c(results: Mapping, path: str | os.PathLike) -> Path:
 
 
 def c2c_table(results: Mapping) -> Table:
-    """Rich table of the ``c2c`` rows: MMLU accuracy, ROUGE-L, latency (ms) and KB
-    (10**3 bytes) sent per query."""
-    table = Table(title="Cache-to-Cache: receivers alone and with sharers (per query)")
-    for name in ("receiver", "mode", "sharers", "n", "MMLU acc", "ROUGE-L", "latency ms", "KB sent"):
+    """Rich table of the ``c2c`` rows: MMLU accuracy and ROUGE-L with their n and 95 %
+    interval, the paired difference from the receiver alone (same items, 95 % interval),
+    latency (ms) and KB (10**3 bytes) sent per query."""
+    table = Table(title="Cache-to-Cache: receivers alone and with sharers (per query; [95 % interval])")
+    for name in ("receiver", "mode", "sharers", "MMLU acc (n)", "vs alone", "ROUGE-L (n)", "vs alone",
+                 "latency ms", "KB sent"):
         table.add_column(name, justify="left" if name in ("receiver", "mode", "sharers") else "right")
     for r in results.get("c2c", []):
         sent = finite(r.get("bytes_sent"))
         table.add_row(str(r["receiver"]), str(r["mode"]), ", ".join(r.get("sharers") or []) or DASH,
-                      str(r.get("n")), fmt(r.get("mmlu_acc"), ".3f"), fmt(r.get("rougeL"), ".3f"),
+                      _ci(r, "mmlu_acc", r.get("n_mmlu")), _ci(r, "mmlu_acc_vs_alone", signed=True),
+                      _ci(r, "rougeL", r.get("n_dolly")), _ci(r, "rougeL_vs_alone", signed=True),
                       fmt(r.get("latency_ms"), ".0f"),
                       DASH if sent is None else f"{sent / 1e3:.1f}")
     return table
+
+
+def _ci(row: Mapping, key: str, n=None, signed: bool = False) -> str:
+    """``0.250 [0.142, 0.403] (40)`` from ``key``, ``key_ci95_low/high`` (and n), or a dash."""
+    v = finite(row.get(key))
+    if v is None:
+        return DASH
+    spec = "+.3f" if signed else ".3f"
+    lo, hi = finite(row.get(f"{key}_ci95_low")), finite(row.get(f"{key}_ci95_high"))
+    text = format(v, spec) + ("" if lo is None or hi is None else f" [{lo:{spec}}, {hi:{spec}}]")
+    return text + ("" if n is None else f" ({n})")
 
 
 SECTION = Section(

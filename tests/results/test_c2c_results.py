@@ -12,7 +12,7 @@ import pytest
 from edgefuse import results as R
 from edgefuse.results import c2c as c2c_section
 from edgefuse.eval.queries import Query, rouge_l
-from edgefuse.app.phases.c2c import _score, load_queries, representatives
+from edgefuse.app.phases.c2c import _paired_with_alone, _score, load_queries, representatives
 from edgefuse.app.strategy import NodeInfo
 from tests.conftest import mirror_path
 
@@ -67,6 +67,29 @@ def test_score_hand_computed():
     assert row["exchange_ms"] == pytest.approx((4.0 + 5 * 1.0) / 6)
     assert row["prefill_ms"] == pytest.approx(2.0) and row["decode_ms"] == pytest.approx(3.0)
     assert row["fuse_ms"] == pytest.approx((5 * 0.5 + 2.0) / 6)
+
+
+def test_score_intervals_and_paired_difference_with_alone():
+    """Wilson interval of the MMLU share, and the paired difference from ``alone`` on the same
+    items: c2c gets m1 right where alone got it wrong, both get m0, neither m2 (diff 1/3)."""
+    queries = [mmlu("m0", 0), mmlu("m1", 1), mmlu("m2", 2), dolly("d0", "the cat sat")]
+    alone = _score("r", [], "alone", queries, [
+        result("m0", pred=0, latency=1.0, sent=0), result("m1", pred=0, latency=1.0, sent=0),
+        result("m2", pred=0, latency=1.0, sent=0), result("d0", text="cat", latency=1.0, sent=0)])
+    c2c = _score("r", ["s"], "c2c", queries, [
+        result("m0", pred=0, latency=1.0, sent=0), result("m1", pred=1, latency=1.0, sent=0),
+        result("m2", pred=3, latency=1.0, sent=0), result("d0", text="the cat sat", latency=1.0, sent=0)])
+    # Wilson 95 % for 1/3: (p + z^2/2n +- z sqrt(p(1-p)/n + z^2/4n^2)) / (1 + z^2/n), z = 1.95996
+    z, n, ph = 1.959964, 3, 1 / 3
+    centre, half = ph + z * z / (2 * n), z * (ph * (1 - ph) / n + z * z / (4 * n * n)) ** 0.5
+    assert alone["mmlu_acc_ci95_low"] == pytest.approx((centre - half) / (1 + z * z / n), abs=1e-4)
+    assert alone["mmlu_acc_ci95_high"] == pytest.approx((centre + half) / (1 + z * z / n), abs=1e-4)
+    rows = _paired_with_alone([alone, c2c])
+    assert "_items" not in rows[0] and "_items" not in rows[1]
+    assert "mmlu_acc_vs_alone" not in rows[0]  # alone is the reference
+    assert rows[1]["mmlu_acc_vs_alone"] == pytest.approx(1 / 3) and rows[1]["mmlu_acc_vs_alone_n"] == 3
+    assert rows[1]["mmlu_acc_vs_alone_ci95_low"] <= 1 / 3 <= rows[1]["mmlu_acc_vs_alone_ci95_high"]
+    assert rows[1]["rougeL_vs_alone"] == pytest.approx(1.0 - 0.5) and rows[1]["rougeL_vs_alone_n"] == 1
 
 
 def test_score_without_one_kind_gives_none():

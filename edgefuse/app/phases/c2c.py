@@ -50,6 +50,7 @@ from edgefuse.c2c.hub import FuserService, Side, kv_spec, pair_list
 from edgefuse.c2c.hub import check_config
 from edgefuse.c2c.peer import pack_frames, unpack_frames
 from edgefuse.c2c.registry import FuserRegistry, pack_state
+from edgefuse.eval import stats
 from edgefuse.eval.queries import Query, dolly_eval_queries, load_mmlu, rouge_l
 from edgefuse.transport.wan import WanLink, WanProfile
 
@@ -230,7 +231,7 @@ class C2C(Phase):
                     receiver, mode, ",".join(ss) or "-", _f(row["mmlu_acc"]), _f(row["rougeL"]),
                     _f(row["latency_ms"], ".0f"))
                 rows.append(row)
-        return rows
+        return _paired_with_alone(rows)
 
     def _share(self, sharer: str, peer: str, kind: str, chunk: list[Query],
                refine_frames: list[bytes] | None = None, session_id: bytes | None = None):
@@ -303,15 +304,21 @@ def _mean(xs):
 
 
 def _score(receiver: str, sharers: list[str], mode: str, queries: list[Query], results: list[dict]) -> dict:
-    """Aggregate per-query results into one results.json ``c2c`` row."""
+    """Aggregate per-query results into one results.json ``c2c`` row: MMLU accuracy with its
+    Wilson 95 % interval and ROUGE-L with a bootstrap one (:mod:`edgefuse.eval.stats`), their
+    ``n``, and the per-item scores (``_items``, dropped by :func:`_paired_with_alone`)."""
     by_id = {q.qid: q for q in queries}
     mmlu = [(by_id[r["qid"]], r) for r in results if by_id[r["qid"]].kind == "mmlu"]
     dolly = [(by_id[r["qid"]], r) for r in results if by_id[r["qid"]].kind == "dolly"]
+    correct = {q.qid: float(r["pred"] == q.answer) for q, r in mmlu}
+    rouge = {q.qid: rouge_l(r["text"] or "", q.reference or "") for q, r in dolly}
+    acc = stats.proportion(list(correct.values()))
+    rl = stats.bootstrap_mean_interval(list(rouge.values()))
     return {
         "receiver": receiver, "sharers": list(sharers), "mode": mode, "n": len(results),
         "n_mmlu": len(mmlu), "n_dolly": len(dolly),
-        "mmlu_acc": _mean([float(r["pred"] == q.answer) for q, r in mmlu]),
-        "rougeL": _mean([rouge_l(r["text"] or "", q.reference or "") for q, r in dolly]),
+        "mmlu_acc": acc.value, "mmlu_acc_ci95_low": acc.low, "mmlu_acc_ci95_high": acc.high,
+        "rougeL": rl.value, "rougeL_ci95_low": rl.low, "rougeL_ci95_high": rl.high,
         "latency_ms": _mean([r["latency_ms"] for r in results]),
         "latency_ms_mmlu": _mean([r["latency_ms"] for _, r in mmlu]),
         "latency_ms_dolly": _mean([r["latency_ms"] for _, r in dolly]),
@@ -320,7 +327,27 @@ def _score(receiver: str, sharers: list[str], mode: str, queries: list[Query], r
         "fuse_ms": _mean([r["fuse_ms"] for r in results]),
         "decode_ms": _mean([r["decode_ms"] for r in results]),
         "bytes_sent": _mean([r["bytes_sent"] for r in results]),
+        "_items": {"mmlu_acc": correct, "rougeL": rouge},
     }
+
+
+def _paired_with_alone(rows: list[dict]) -> list[dict]:
+    """Add to each row of one receiver its paired difference from that receiver's ``alone``
+    row on the items both scored (``mmlu_acc_vs_alone``, ``rougeL_vs_alone``, each with ``_n``
+    and a paired-bootstrap 95 % interval; :func:`edgefuse.eval.stats.paired_difference`),
+    then drop the per-item scores. Rows without an ``alone`` row get no difference."""
+    alone = {r["receiver"]: r.get("_items") for r in rows if r["mode"] == "alone" and r.get("_items")}
+    for row in rows:
+        items, base = row.pop("_items", None), alone.get(row["receiver"])
+        if items is None or base is None or row["mode"] == "alone":
+            continue
+        for metric in ("mmlu_acc", "rougeL"):
+            common = sorted(set(items[metric]) & set(base[metric]))
+            if common:
+                d = stats.paired_difference([items[metric][q] for q in common],
+                                            [base[metric][q] for q in common])
+                row.update(d.to_dict(f"{metric}_vs_alone"))
+    return rows
 
 
 def _f(x, spec: str = ".3f") -> str:
