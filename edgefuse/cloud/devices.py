@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgefuse.transport.wan import WanProfile
+from edgefuse.eval import stats
 from edgefuse.eval.queries import Query, gsm8k_final, prompt_split, rouge_l
 
 from edgefuse.cloud.decoding import (MODES, DecodeConfig, DecodeResult, Decoder, DraftBatcher, DrafterSpec,
@@ -26,7 +27,13 @@ ROW_FIELDS = ("mode", "rtt_ms", "devices", "tokens_per_s", "aggregate_tokens_per
               "round_trips_per_token", "bytes_down_per_token", "bytes_up_per_token",
               "acceptance_rate", "identical_to_target", "agreement_with_target", "ms_per_token",
               "gsm8k_exact_match", "rouge_l", "new_tokens", "deadline_misses", "fallbacks",
-              "edge_weight_mean", "prompts", "drafter")
+              "edge_weight_mean", "prompts", "drafter",
+              # n and 95 % intervals (edgefuse.eval.stats); *_vs_cloud: paired on the same prompts
+              "agreement_n", "agreement_ci95_low", "agreement_ci95_high",
+              "gsm8k_n", "gsm8k_ci95_low", "gsm8k_ci95_high",
+              "rouge_l_n", "rouge_l_ci95_low", "rouge_l_ci95_high",
+              "rouge_l_vs_cloud", "rouge_l_vs_cloud_n", "rouge_l_vs_cloud_ci95_low",
+              "rouge_l_vs_cloud_ci95_high")
 
 
 def prompt_ids(query: Query, tok, max_prompt_tokens: int) -> list[int]:
@@ -198,15 +205,24 @@ def summarize(records: list[Record], wall: dict[str, float], tok, rtt_ms: float,
     for r in records:
         by_mode.setdefault(r.mode, []).append(r)
     target = {r.qid: r.result.tokens for r in by_mode.get("cloud", [])}
+    cloud_rouge = {r.qid: rouge_l(r.result.text, r.reference or "") for r in by_mode.get("cloud", [])
+                   if r.kind == "dolly"}
     rows = []
     for mode, recs in by_mode.items():
         res = [r.result for r in recs]
         toks = sum(len(x.tokens) for x in res)
         n = max(toks, 1)
         drafted = sum(x.drafted for x in res)
-        agree = [agreement(r.result.tokens, target[r.qid]) for r in recs if r.qid in target]
-        gsm = [r for r in recs if r.kind == "gsm8k"]
-        dolly = [r for r in recs if r.kind == "dolly"]
+        agree_each = [agreement(r.result.tokens, target[r.qid]) for r in recs if r.qid in target]
+        agree = stats.bootstrap_mean_interval(agree_each)
+        gsm = stats.proportion([
+            gsm8k_final(tok.decode(r.result.tokens, skip_special_tokens=True)) == r.reference
+            for r in recs if r.kind == "gsm8k"])
+        rouge = {r.qid: rouge_l(r.result.text, r.reference or "") for r in recs if r.kind == "dolly"}
+        rl = stats.bootstrap_mean_interval(list(rouge.values()))
+        common = sorted(set(rouge) & set(cloud_rouge)) if mode != "cloud" else []
+        vs_cloud = (stats.paired_difference([rouge[q] for q in common], [cloud_rouge[q] for q in common])
+                    if common else stats.Estimate(None, 0, None, None))
         weights = [x.edge_weight_mean for x in res if x.edge_weight_mean is not None]
         drafters = sorted({x.drafter for x in res if x.drafter})
         rows.append({
@@ -217,19 +233,21 @@ def summarize(records: list[Record], wall: dict[str, float], tok, rtt_ms: float,
             "bytes_down_per_token": sum(x.bytes_down for x in res) / n,
             "bytes_up_per_token": sum(x.bytes_up for x in res) / n,
             "acceptance_rate": (sum(x.accepted for x in res) / drafted) if drafted else None,
-            "identical_to_target": (all(a == 1.0 for a in agree) if agree and greedy else None),
-            "agreement_with_target": float(np.mean(agree)) if agree else None,
+            "identical_to_target": (all(a == 1.0 for a in agree_each) if agree_each and greedy else None),
+            "agreement_with_target": agree.value,
             "ms_per_token": 1000 * sum(x.decode_s for x in res) / n,
-            "gsm8k_exact_match": (float(np.mean([gsm8k_final(tok.decode(r.result.tokens, skip_special_tokens=True))
-                                                 == r.reference for r in gsm])) if gsm else None),
-            "rouge_l": (float(np.mean([rouge_l(r.result.text, r.reference or "") for r in dolly]))
-                        if dolly else None),
+            "gsm8k_exact_match": gsm.value,
+            "rouge_l": rl.value,
             "new_tokens": toks,
             "deadline_misses": sum(x.deadline_misses for x in res),
             "fallbacks": sum(x.fallback is not None for x in res),
             "edge_weight_mean": float(np.mean(weights)) if weights else None,
             "prompts": len(recs),
             "drafter": ",".join(drafters) or None,
+            "agreement_n": agree.n, "agreement_ci95_low": agree.low, "agreement_ci95_high": agree.high,
+            "gsm8k_n": gsm.n, "gsm8k_ci95_low": gsm.low, "gsm8k_ci95_high": gsm.high,
+            "rouge_l_n": rl.n, "rouge_l_ci95_low": rl.low, "rouge_l_ci95_high": rl.high,
+            **vs_cloud.to_dict("rouge_l_vs_cloud"),
         })
     order = {m: i for i, m in enumerate(MODES)}
     return sorted(rows, key=lambda r: order.get(r["mode"], 99))

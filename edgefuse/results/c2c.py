@@ -13,7 +13,7 @@ from pathlib import Path
 from rich.table import Table
 
 from edgefuse.results.plotting import colour, new_figure, no_data, save_png
-from edgefuse.results.section import DASH, Plot, Section, finite, fmt, rows_csv
+from edgefuse.results.section import DASH, Plot, Section, finite, fmt, rows_csv, with_interval
 
 C2C_CSV_NAME = "c2c.csv"
 C2C_PNG_NAME = "c2c.png"
@@ -82,22 +82,12 @@ def c2c_table(results: Mapping) -> Table:
     for r in results.get("c2c", []):
         sent = finite(r.get("bytes_sent"))
         table.add_row(str(r["receiver"]), str(r["mode"]), ", ".join(r.get("sharers") or []) or DASH,
-                      _ci(r, "mmlu_acc", r.get("n_mmlu")), _ci(r, "mmlu_acc_vs_alone", signed=True),
-                      _ci(r, "rougeL", r.get("n_dolly")), _ci(r, "rougeL_vs_alone", signed=True),
+                      with_interval(r, "mmlu_acc", r.get("n_mmlu")), with_interval(r, "mmlu_acc_vs_alone", r.get("mmlu_acc_vs_alone_n"), signed=True),
+                      with_interval(r, "rougeL", r.get("n_dolly")), with_interval(r, "rougeL_vs_alone", r.get("rougeL_vs_alone_n"), signed=True),
                       fmt(r.get("latency_ms"), ".0f"),
                       DASH if sent is None else f"{sent / 1e3:.1f}")
     return table
 
-
-def _ci(row: Mapping, key: str, n=None, signed: bool = False) -> str:
-    """``0.250 [0.142, 0.403] (40)`` from ``key``, ``key_ci95_low/high`` (and n), or a dash."""
-    v = finite(row.get(key))
-    if v is None:
-        return DASH
-    spec = "+.3f" if signed else ".3f"
-    lo, hi = finite(row.get(f"{key}_ci95_low")), finite(row.get(f"{key}_ci95_high"))
-    text = format(v, spec) + ("" if lo is None or hi is None else f" [{lo:{spec}}, {hi:{spec}}]")
-    return text + ("" if n is None else f" ({n})")
 
 
 SECTION = Section(

@@ -14,7 +14,7 @@ from pathlib import Path
 from rich.table import Table
 
 from edgefuse.results.plotting import colour, new_figure, no_data, save_png
-from edgefuse.results.section import Plot, Section, finite, fmt, rows_csv
+from edgefuse.results.section import Plot, Section, finite, fmt, rows_csv, with_interval
 
 DECODING_CSV_NAME = "decoding.csv"
 DECODING_PNG_NAME = "decoding.png"
@@ -62,18 +62,24 @@ def plot_decoding(results: Mapping, path: str | os.PathLike) -> Path:
 
 def decoding_table(results: Mapping) -> Table:
     """Rich table of the ``decoding`` rows (per generated token: rate, round trips, bytes
-    each way, acceptance, agreement with the cloud-only output, task scores)."""
-    table = Table(title="Decoding with the cloud LLM (per generated token)")
+    each way, acceptance; agreement with the cloud-only output and task scores with their n
+    and 95 % interval)."""
+    table = Table(title="Decoding with the cloud LLM (per generated token; [95 % interval] (n))")
     cols = (("mode", "mode", None), ("tok/s", "tokens_per_s", ".2f"), ("ms/tok", "ms_per_token", ".0f"),
             ("RT/tok", "round_trips_per_token", ".2f"), ("B up", "bytes_up_per_token", ".0f"),
             ("B down", "bytes_down_per_token", ".0f"), ("accept", "acceptance_rate", ".2f"),
-            ("agree", "agreement_with_target", ".2f"), ("GSM8K EM", "gsm8k_exact_match", ".2f"),
-            ("ROUGE-L", "rouge_l", ".3f"), ("fallbacks", "fallbacks", ".0f"))
-    for name, _, _ in cols:
+            ("fallbacks", "fallbacks", ".0f"))
+    scored = (("agree", "agreement_with_target", "agreement"), ("GSM8K EM", "gsm8k_exact_match", "gsm8k"),
+              ("ROUGE-L", "rouge_l", "rouge_l"))
+    for name in [c[0] for c in cols] + [s[0] for s in scored]:
         table.add_column(name, justify="left" if name == "mode" else "right")
     for r in results.get("decoding", []):
-        table.add_row(*[str(r[k]) if f is None else fmt(r.get(k), f) for _, k, f in cols])
+        cells = [str(r[k]) if f is None else fmt(r.get(k), f) for _, k, f in cols]
+        cells += [with_interval(r, key, r.get(f"{base}_n"), interval=base, spec=".2f")
+                  for _, key, base in scored]
+        table.add_row(*cells)
     return table
+
 
 
 SECTION = Section(

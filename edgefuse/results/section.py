@@ -113,3 +113,19 @@ def rows_csv(rows: Iterable[Mapping], fields: Sequence[str]) -> str:
     for row in rows:
         w.writerow({k: csv_cell(row.get(k)) for k in fields})
     return buf.getvalue()
+
+
+def with_interval(row: Mapping, key: str, n=None, *, interval: str | None = None, signed: bool = False,
+                  spec: str = ".3f") -> str:
+    """A table cell ``0.250 [0.142, 0.403] (40)``: ``row[key]`` with its ``key_ci95_low`` /
+    ``key_ci95_high`` interval (``interval``: another prefix for them) and ``n`` when given
+    (``signed``: a difference, shown with its sign); a dash when the value is missing or not
+    finite."""
+    v = finite(row.get(key))
+    if v is None:
+        return DASH
+    spec = ("+" + spec) if signed else spec
+    base = interval or key
+    lo, hi = finite(row.get(f"{base}_ci95_low")), finite(row.get(f"{base}_ci95_high"))
+    text = format(v, spec) + ("" if lo is None or hi is None else f" [{lo:{spec}}, {hi:{spec}}]")
+    return text + ("" if n is None else f" ({n})")
