@@ -37,6 +37,7 @@ from edgefuse.attacks.inversion import (
     token_accuracy,
     topk_features,
 )
+from edgefuse.eval import stats as est
 from edgefuse.privacy.audit import OutboundAudit
 from edgefuse.privacy.canaries import load_canary_prompts
 from edgefuse.privacy.protect import PROTECTION_NAMES
@@ -128,17 +129,18 @@ def train_attackers(model, tok, texts: list[str], layers: list[int], topk: int, 
     return {key: RidgeInverter(emb, ridge).fit(torch.cat(v), y) for key, v in feats.items()}
 
 
-def _mmlu_accuracy(model, tok, queries, stems: list[str]) -> float:
-    from edgefuse.eval.queries import Query, _mmlu_instruction, choice_token_ids, prefill, prompt_split, score_choices
+def _mmlu_outcomes(model, tok, queries, stems: list[str]) -> list[float]:
+    """1.0 / 0.0 per MMLU question: the letter scored highest after the (protected) stem is right."""
+    from edgefuse.eval.queries import Query, mmlu_instruction, choice_token_ids, prefill, prompt_split, score_choices
 
     letters = choice_token_ids(tok)
-    right = 0
+    out = []
     for q, stem in zip(queries, stems):
-        pq = Query(**{**q.to_dict(), "instruction": _mmlu_instruction(stem, q.choices)})
+        pq = Query(**{**q.to_dict(), "instruction": mmlu_instruction(stem, q.choices)})
         ids, last = prompt_split(pq, tok, 512)
         pred, _ = score_choices(model, prefill(model, ids), last, letters)
-        right += int(pred == q.answer)
-    return right / max(len(queries), 1)
+        out.append(float(pred == q.answer))
+    return out
 
 
 def _stem(instruction: str) -> str:
@@ -240,7 +242,7 @@ def run_probe(model, tok, privacy_cfg, mirror, data_cfg, seed: int, adapter: byt
         task = None
         if queries:
             stems, _ = protector([_stem(q.instruction) for q in queries], mode)
-            task = _mmlu_accuracy(model, tok, queries, stems)
+            task = est.proportion(_mmlu_outcomes(model, tok, queries, stems))
         for key in acc:
             payload, layer = key
             res.layers.append({"payload": payload, "layer": layer, "protection": mode,
@@ -251,14 +253,17 @@ def run_probe(model, tok, privacy_cfg, mirror, data_cfg, seed: int, adapter: byt
             st = stats.get(payload, {})
             row = {"payload": payload, "protection": mode,
                    "canary_hits": int(st.get("canary_hits", 0)) + (hits_text if payload == "draft_tokens" else 0),
-                   "attacker_token_acc": None, "attacker_exact_match": None, "task_acc": task,
+                   "attacker_token_acc": None, "attacker_exact_match": None,
+                   "task_acc": None if task is None else task.value,
                    "layer": None, "payloads": int(st.get("payloads", 0)), "bytes": int(st.get("bytes", 0))}
             if payload == "adapter" and adapter is None:
                 continue
+            if task is not None:  # n and Wilson 95 % interval
+                row.update(task.to_dict("task_acc"))
             if keys:
                 best = max(keys, key=lambda k: np.mean(acc[k]))
-                row.update(attacker_token_acc=float(np.mean(acc[best])),
-                           attacker_exact_match=float(np.mean(exact[best])),
+                row.update(est.bootstrap_mean_interval(acc[best]).to_dict("attacker_token_acc"))
+                row.update(attacker_exact_match=float(np.mean(exact[best])),
                            layer=None if best[1] < 0 else int(best[1]))
             res.rows.append(row)
         res.seconds[mode] = time.perf_counter() - t1

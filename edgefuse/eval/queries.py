@@ -103,7 +103,8 @@ class Query:
         return cls(**d)
 
 
-def _mmlu_instruction(question: str, choices: list[str]) -> str:
+def mmlu_instruction(question: str, choices: list[str]) -> str:
+    """The MMLU prompt text: the question, the lettered choices, and the answer instruction."""
     lines = [question.strip()] + [f"{L}. {c}" for L, c in zip(LETTERS, choices)]
     return "\n".join(lines + ["Answer with the letter of the correct choice."])
 
@@ -206,7 +207,7 @@ def load_mmlu(mirror: str | Path | None, n: int, seed: int, split: str = "test",
                 row = int(perms[s][rank])
                 r = table[s][row]
                 out.append(Query(qid=f"mmlu/{split}/{s}/{row}", kind="mmlu",
-                                 instruction=_mmlu_instruction(r["question"], r["choices"]),
+                                 instruction=mmlu_instruction(r["question"], r["choices"]),
                                  context="", choices=list(r["choices"]), answer=r["answer"],
                                  reference=None, category=s))
         rank += 1
@@ -391,13 +392,17 @@ def _device(model) -> torch.device:
 def prefill(model, ids: list[int]) -> DynamicCache:
     """The model's KV cache after the prompt ``ids`` (batch 1, ``len(ids)`` tokens), no grad.
 
+    Only the cache is kept, so the output head runs for the last position only
+    (``logits_to_keep=1``): for a 262k-token vocabulary (Gemma 3) the head over every
+    prompt position costs more than the decoder layers.
+
     Raises:
         ValueError: ``ids`` is empty.
     """
     if not ids:
         raise ValueError("nothing to prefill: ids is empty")
     x = torch.tensor([ids], dtype=torch.long, device=_device(model))
-    return model(input_ids=x, use_cache=True).cache
+    return model(input_ids=x, use_cache=True, logits_to_keep=1).cache
 
 
 @torch.no_grad()

@@ -19,7 +19,9 @@ from edgefuse.results.section import Plot, Section, finite, fmt, rows_csv
 PRIVACY_CSV_NAME = "privacy.csv"
 PRIVACY_PNG_NAME = "privacy.png"
 PRIVACY_FIELDS = ("payload", "protection", "canary_hits", "attacker_token_acc",
-                  "attacker_exact_match", "task_acc", "layer", "payloads", "bytes")
+                  "attacker_exact_match", "task_acc", "layer", "payloads", "bytes",
+                  "attacker_token_acc_n", "attacker_token_acc_ci95_low", "attacker_token_acc_ci95_high",
+                  "task_acc_n", "task_acc_ci95_low", "task_acc_ci95_high")
 
 
 def privacy_csv_text(results: Mapping) -> str:

@@ -480,13 +480,16 @@ def test_run_probe_rows_and_figures(tiny, mirror):
     for r in res.rows:
         assert keys <= set(r)
         assert r["task_acc"] is not None and 0.0 <= r["task_acc"] <= 1.0
+        assert r["task_acc_n"] == int(cfg.privacy.probe.task_n)
+        assert r["task_acc_ci95_low"] <= r["task_acc"] <= r["task_acc_ci95_high"]
         if r["payload"] == "adapter":
             assert (r["payloads"], r["bytes"]) == (1, len(planted))
             assert r["canary_hits"] == sum(v in values[-1] for v in values) >= 1
             assert r["attacker_token_acc"] is None
         else:
             assert r["payloads"] == n and r["bytes"] > 0
-            assert 0.0 <= r["attacker_token_acc"] <= 1.0
+            assert 0.0 <= r["attacker_token_acc"] <= 1.0 and r["attacker_token_acc_n"] == n
+            assert r["attacker_token_acc_ci95_low"] <= r["attacker_token_acc"] <= r["attacker_token_acc_ci95_high"]
     # no protection: the cloud reads the prompt ids themselves, canaries included
     none_draft = rows[("draft_tokens", "none")]
     assert none_draft["attacker_token_acc"] == 1.0 and none_draft["attacker_exact_match"] == 1.0
@@ -566,9 +569,11 @@ def test_privacy_csv_and_plot(tmp_path):
     text = R.privacy_csv_text({"privacy": privacy_rows()})
     lines = text.splitlines()
     assert lines[0] == ",".join(R.PRIVACY_FIELDS) == (
-        "payload,protection,canary_hits,attacker_token_acc,attacker_exact_match,task_acc,layer,payloads,bytes")
-    assert lines[1] == "draft_tokens,none,7,1.0,1.0,0.5,,4,1520"
-    assert lines[4] == "kv,redact,0,0.75,0.0,0.5,1,4,34436"
+        "payload,protection,canary_hits,attacker_token_acc,attacker_exact_match,task_acc,layer,payloads,bytes,"
+        "attacker_token_acc_n,attacker_token_acc_ci95_low,attacker_token_acc_ci95_high,"
+        "task_acc_n,task_acc_ci95_low,task_acc_ci95_high")
+    assert lines[1] == "draft_tokens,none,7,1.0,1.0,0.5,,4,1520,,,,,,"
+    assert lines[4] == "kv,redact,0,0.75,0.0,0.5,1,4,34436,,,,,,"
     assert len(lines) == 5
     assert R.privacy_csv_text({}) == lines[0] + "\n"
     png = R.plot_privacy({"privacy": privacy_rows()}, tmp_path / "p.png")
