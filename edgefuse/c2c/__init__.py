@@ -29,14 +29,6 @@ from .fuser import (
 from .layer_map import layer_mapping
 from .exchange import KVPayloadError, decode_kv_cache, encode_kv_cache
 from .multi import MultiSharerGate, fuse_many
-from .gate_train import (
-    MultiExample,
-    build_multi_example,
-    build_multi_examples,
-    evaluate_multi,
-    multi_loss,
-    train_gate,
-)
 
 __all__ = [
     "C2CFuser", "FuserConfig", "KVSpec", "LayerFuser", "align_formatted", "align_spans",
@@ -44,6 +36,5 @@ __all__ = [
     "fuser_size_table", "gather_aligned", "kv_spec_from_cache", "kv_spec_from_config",
     "layer_mapping",
     "KVPayloadError", "decode_kv_cache", "encode_kv_cache",
-    "MultiExample", "MultiSharerGate", "build_multi_example", "build_multi_examples",
-    "evaluate_multi", "fuse_many", "multi_loss", "train_gate",
+    "MultiSharerGate", "fuse_many",
 ]

@@ -22,7 +22,7 @@ from .train import _continuation_loss, _ids, frozen, step_indices
 class MultiExample:
     """One public row, tokenized for a receiver and ``K`` sharers.
 
-    The receiver fields are those of :class:`edgefuse.c2c.train.PairExample` (identical for every
+    The receiver fields are those of :class:`edgefuse.c2c.examples.PairExample` (identical for every
     sharer); per sharer ``k``, ``sharer_prompt_ids[k]`` is its whole formatted prompt and
     ``mappings[k]`` the alignment of the receiver prefill (``len(receiver_prompt_ids)``
     lists) onto it.
@@ -44,13 +44,13 @@ class MultiExample:
         return self.pair(0).num_tokens
 
     def pair(self, k: int) -> PairExample:
-        """The :class:`edgefuse.c2c.train.PairExample` of the receiver with sharer ``k``."""
+        """The :class:`edgefuse.c2c.examples.PairExample` of the receiver with sharer ``k``."""
         return PairExample(self.receiver_prompt_ids, self.continuation_ids, self.labels,
                            self.sharer_prompt_ids[k], self.mappings[k])
 
 
 def build_multi_example(example: dict, receiver_tok, sharer_toks: list, max_seq_len: int) -> MultiExample | None:
-    """:func:`edgefuse.c2c.train.build_pair_example` for every sharer; ``None`` if one of them is unusable.
+    """:func:`edgefuse.c2c.examples.build_pair_example` for every sharer; ``None`` if one of them is unusable.
 
     Raises:
         ValueError: no sharer tokenizers.

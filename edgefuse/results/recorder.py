@@ -309,9 +309,6 @@ class RunRecorder:
             else:
                 self.results[key] = copy.deepcopy(value)
 
-    # The four set_* methods below predate update(); they stay until the ServerApp and the
-    # tests call update() instead.
-
     def set_summary(self, summary: Mapping) -> None:
         """Merge ``summary`` into the free-form summary (later keys win; deep-copied)."""
         self.results["summary"].update(copy.deepcopy(dict(summary)))

@@ -33,3 +33,12 @@ def test_contract_catches_training_import_inside_a_function(tmp_path):
     assert res.returncode != 0
     assert "the C2C query-time path does not import fuser training BROKEN" in res.stdout
     assert "edgefuse.c2c.peer -> edgefuse.c2c.train" in res.stdout
+
+
+def test_query_path_loads_no_training_module_at_run_time():
+    """The contract reads import statements; this checks what actually loads (package
+    ``__init__`` re-exports included)."""
+    code = ("import sys, edgefuse.c2c.peer, edgefuse.c2c.multi, edgefuse.c2c.examples; "
+            "print(sorted(m for m in ('edgefuse.c2c.train', 'edgefuse.c2c.gate_train') if m in sys.modules))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert res.stdout.strip() == "[]", res.stdout

@@ -13,18 +13,8 @@ import pytest
 import torch
 
 from edgefuse.models import tiny_model
-from edgefuse.c2c import (
-    C2CFuser,
-    FuserConfig,
-    MultiExample,
-    MultiSharerGate,
-    build_multi_examples,
-    evaluate_multi,
-    fuse_many,
-    kv_spec_from_config,
-    multi_loss,
-    train_gate,
-)
+from edgefuse.c2c import C2CFuser, FuserConfig, MultiSharerGate, fuse_many, kv_spec_from_config
+from edgefuse.c2c.gate_train import MultiExample, build_multi_examples, evaluate_multi, multi_loss, train_gate
 from edgefuse.c2c.examples import build_pair_example
 from edgefuse.c2c.train import pair_loss
 
