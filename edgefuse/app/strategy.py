@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from edgefuse.aggregation import (ClientUpdate, GroupResult, MalformedUpdateError,
                                   aggregate_group, flexlora, module_shapes, validate_update)
 from edgefuse.app import messages as M
+from edgefuse.transport.crypto import PUBLIC_KEY_BYTES
 from edgefuse.app.messages import group_fields, last_line
 from edgefuse.config import to_json
 from edgefuse.lora import adapter_nbytes, pack_adapter, unpack_adapter
@@ -80,16 +81,40 @@ class GroupedLoRA:
                 for n in node_ids if n not in self.nodes]
 
     def add_info(self, replies) -> list[str]:
-        """Record node identities from ``query.info`` replies; return error reasons."""
+        """Record node identities from ``query.info`` replies; return the reasons of the
+        replies refused. The server knows what each partition runs (``federation.clients``),
+        so a node is recorded only when its partition id is in range and not claimed by
+        another node, its model and LoRA rank are that entry's, and its public key is an
+        X25519 key; anything else (a malformed reply included) is refused, and the node is
+        asked again next round."""
         errors = []
+        clients = self.cfg.federation.clients
         for msg in replies:
+            node_id = msg.metadata.src_node_id
             if msg.has_error():
-                errors.append(f"node {msg.metadata.src_node_id}: {msg.error.reason}")
+                errors.append(f"node {node_id}: {msg.error.reason}")
                 continue
-            rec = msg.content["info"]
-            self.nodes[msg.metadata.src_node_id] = NodeInfo(
-                msg.metadata.src_node_id, int(rec["partition_id"]), str(rec["model"]),
-                int(rec["lora_rank"]), bytes(rec["public_key"]) if "public_key" in rec else b"")
+            try:
+                rec = msg.content["info"]
+                pid, model, rank = int(rec["partition_id"]), str(rec["model"]), int(rec["lora_rank"])
+                key = bytes(rec["public_key"]) if "public_key" in rec else b""
+            except (KeyError, TypeError, ValueError) as e:
+                errors.append(f"node {node_id}: malformed query.info reply ({type(e).__name__}: {e})")
+                continue
+            taken = {n.partition_id: nid for nid, n in self.nodes.items()}
+            if not 0 <= pid < len(clients):
+                reason = f"partition id {pid} is not in federation.clients (0..{len(clients) - 1})"
+            elif taken.get(pid, node_id) != node_id:
+                reason = f"partition id {pid} is already node {taken[pid]}'s"
+            elif (model, rank) != (str(clients[pid].model), int(clients[pid].lora_rank)):
+                reason = (f"claims {model} rank {rank}, but partition {pid} runs "
+                          f"{clients[pid].model} rank {clients[pid].lora_rank}")
+            elif key and len(key) != PUBLIC_KEY_BYTES:
+                reason = f"public key of {len(key)} bytes (X25519 keys are {PUBLIC_KEY_BYTES})"
+            else:
+                self.nodes[node_id] = NodeInfo(node_id, pid, model, rank, key)
+                continue
+            errors.append(f"node {node_id}: query.info refused: {reason}")
         return errors
 
     def client_state(self, node: NodeInfo) -> dict | None:

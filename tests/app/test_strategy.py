@@ -129,3 +129,49 @@ def test_different_ranks_use_flexlora(strategy):
     st = g.per_client[1]
     np.testing.assert_allclose(s2 * st[f"{KEY}.lora_B.weight"] @ st[f"{KEY}.lora_A.weight"], dw, atol=1e-5)
     assert g.per_client[0][f"{KEY}.lora_A.weight"].shape == (1, 2)
+
+
+def info_reply(node_id, rec):
+    return SimpleNamespace(has_error=lambda: False, content=RecordDict({"info": ConfigRecord(rec)}),
+                           metadata=SimpleNamespace(src_node_id=node_id))
+
+
+def test_query_info_claims_are_checked_against_the_federation(strategy):
+    """A node cannot claim a partition that is not in federation.clients or already taken,
+    another model or rank than its partition runs, or a malformed key; a malformed reply is
+    refused without stopping the others."""
+    strategy.nodes = {}
+    entry = strategy.cfg.federation.clients[0]
+    model, rank = str(entry.model), int(entry.lora_rank)
+    other = next(c for c in strategy.cfg.federation.clients if str(c.model) != model)
+    e1 = strategy.cfg.federation.clients[1]
+    model1, rank1 = str(e1.model), int(e1.lora_rank)
+    assert str(other.model) != model1
+    honest = {"partition_id": 0, "model": model, "lora_rank": rank, "public_key": bytes(32)}
+    replies = [
+        info_reply(1, honest),
+        info_reply(2, {**honest}),                                      # partition 0 again
+        info_reply(3, {**honest, "partition_id": -1}),                  # out of range
+        info_reply(4, {**honest, "partition_id": 99}),
+        info_reply(5, {**honest, "partition_id": 1, "model": str(other.model), "lora_rank": rank1}),
+        info_reply(6, {**honest, "partition_id": 1, "model": model1, "lora_rank": rank1 * 16}),
+        info_reply(7, {"partition_id": 2, "model": str(strategy.cfg.federation.clients[2].model),
+                       "lora_rank": int(strategy.cfg.federation.clients[2].lora_rank),
+                       "public_key": b"ATTACKER-KEY"}),
+        info_reply(8, {"partition_id": "abc", "model": model, "lora_rank": rank}),
+        SimpleNamespace(has_error=lambda: False, content=RecordDict({}),
+                        metadata=SimpleNamespace(src_node_id=9)),
+    ]
+    errors = strategy.add_info(replies)
+    assert set(strategy.nodes) == {1}
+    assert strategy.nodes[1].partition_id == 0 and strategy.nodes[1].model == model
+    text = "\n".join(errors)
+    assert len(errors) == 8
+    assert "node 2: query.info refused: partition id 0 is already node 1's" in text
+    assert "node 3: query.info refused: partition id -1 is not in federation.clients" in text
+    assert "node 4: query.info refused: partition id 99" in text
+    assert f"node 5: query.info refused: claims {other.model} rank {rank1}, but partition 1 runs {model1}" in text
+    assert f"node 6: query.info refused: claims {model1} rank {rank1 * 16}" in text
+    assert "node 7: query.info refused: public key of 12 bytes" in text
+    assert "node 8: malformed query.info reply (ValueError" in text
+    assert "node 9: malformed query.info reply (KeyError" in text
