@@ -200,8 +200,9 @@ def run_probe(model, tok, privacy_cfg, mirror, data_cfg, seed: int, adapter: byt
         redactor = Redactor(**settings)
         if bool(red.get("known_identities", False)):
             redactor.remember(canaries)
-        protector = default_protector(model, tok, redactor,
-                                      int(privacy_cfg.get("rephrase", {}).get("max_new_tokens", 96)))
+        reph = privacy_cfg.get("rephrase", {})
+        protector = default_protector(model, tok, redactor, int(reph.get("max_new_tokens", 96)),
+                                      int(reph.get("attempts", 3)))
     audit = OutboundAudit()
     audit.watch(canaries)
     audit.use_tokenizer(tok)
@@ -273,14 +274,14 @@ def run_probe(model, tok, privacy_cfg, mirror, data_cfg, seed: int, adapter: byt
     return res
 
 
-def default_protector(model, tok, redactor=None, max_new_tokens: int = 96):
+def default_protector(model, tok, redactor=None, max_new_tokens: int = 96, attempts: int = 3):
     """``protector(texts, protection) -> (texts, fallbacks)`` using the device's own model to
     rephrase (:func:`edgefuse.privacy.protect.protect_batch`)."""
     from edgefuse.privacy.protect import protect_batch
 
     def protector(texts: list[str], protection: str):
         out = protect_batch(texts, protection, model=model, tok=tok, redactor=redactor,
-                            max_new_tokens=max_new_tokens)
+                            max_new_tokens=max_new_tokens, attempts=attempts)
         return [p.text for p in out], sum(int(p.rephrased_fell_back) for p in out)
 
     return protector
@@ -304,6 +305,8 @@ def check_config(cfg) -> None:
         raise ConfigError(f"privacy.probe.modes has unknown modes {unknown}: use {', '.join(PROTECTION_NAMES)}")
     for key in ("canaries", "attack_train_prompts", "topk"):
         positive_int(p.get(key), f"privacy.probe.{key}")
+    for key in ("max_new_tokens", "attempts"):
+        positive_int((priv.get("rephrase") or {}).get(key, 1), f"privacy.rephrase.{key}")
     slice_rows = ((cfg.get("data") or {}).get("public_slices") or {}).get("attack_train")
     if slice_rows is not None and int(p.attack_train_prompts) > int(slice_rows):
         raise ConfigError(f"privacy.probe.attack_train_prompts={p.attack_train_prompts} is more than the "

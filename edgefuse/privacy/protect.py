@@ -55,7 +55,7 @@ def check_mode(mode: str) -> str:
 
 def protect_batch(texts: list[str], mode: str, model=None, tok=None,
                   redactor: Redactor | None = None,
-                  max_new_tokens: int = 96) -> list[Protected]:
+                  max_new_tokens: int = 96, attempts: int = 3) -> list[Protected]:
     """Protect several prompts; rephrasing runs batched on the device SLM.
 
     Args:
@@ -66,6 +66,8 @@ def protect_batch(texts: list[str], mode: str, model=None, tok=None,
         redactor: the :class:`Redactor` to use (default: the cached default one; use
             ``Redactor.from_config(cfg)`` for configured settings).
         max_new_tokens: rephrasing budget per prompt.
+        attempts: rephrasings tried per prompt at most (``privacy.rephrase.attempts``;
+            see :func:`edgefuse.privacy.rephrase.rephrase_batch`).
 
     Returns:
         one :class:`Protected` per prompt, in order.
@@ -86,7 +88,7 @@ def protect_batch(texts: list[str], mode: str, model=None, tok=None,
             raise ValueError(f"privacy protection {mode!r} needs the device model and "
                              "tokenizer (model=, tok=)")
         for p, r in zip(out, rephrase_batch(model, tok, [p.text for p in out],
-                                            max_new_tokens)):
+                                            max_new_tokens, attempts=attempts)):
             p.text, p.rephrased_fell_back = r.text, r.fell_back
     return out
 

@@ -35,7 +35,7 @@ from edgefuse.eval.queries import Query
 
 
 def protect_queries(queries: list[Query], mode: str, model, tok, redactor=None,
-                    max_new_tokens: int = 96) -> tuple[list[Query], list[dict]]:
+                    max_new_tokens: int = 96, attempts: int = 3) -> tuple[list[Query], list[dict]]:
     """Protected copies of ``queries`` and, per query, the placeholder mapping to restore.
 
     The instruction gets ``mode``; a context (long, reference text) is only redacted (for
@@ -43,7 +43,7 @@ def protect_queries(queries: list[Query], mode: str, model, tok, redactor=None,
     if mode == "off" or not queries:
         return list(queries), [{} for _ in queries]
     ins = protect_batch([q.instruction for q in queries], mode, model=model, tok=tok,
-                        redactor=redactor, max_new_tokens=max_new_tokens)
+                        redactor=redactor, max_new_tokens=max_new_tokens, attempts=attempts)
     ctx_mode = "redact" if mode in ("redact", "both") else "off"
     ctx = protect_batch([q.context for q in queries], ctx_mode, redactor=redactor)
     out, maps = [], []
@@ -106,8 +106,9 @@ def decode(msg: Message, context: Context, client) -> RecordDict:
         redactor = Redactor.from_config(cfg)
         if cfg.privacy.redact.get("known_identities", False):  # the identities this device holds
             redactor.remember(watch_canaries(cfg, tok))
-    max_new = int(cfg.privacy.rephrase.max_new_tokens) if cfg.get("privacy") else 96
-    sent, maps = protect_queries(queries, mode, model, tok, redactor, max_new)
+    reph = cfg.privacy.rephrase if cfg.get("privacy") else {}
+    max_new, attempts = int(reph.get("max_new_tokens", 96)), int(reph.get("attempts", 3))
+    sent, maps = protect_queries(queries, mode, model, tok, redactor, max_new, attempts)
     dcfg = decode_config(c, auth=auth_from_config(cfg.get("privacy")))
     spec, head = device_drafter(cfg, model, tok)
     host, port, wan = str(conf["host"]), int(conf["port"]), WanProfile.from_name(str(c.wan))
@@ -121,7 +122,7 @@ def decode(msg: Message, context: Context, client) -> RecordDict:
         n_live = int(cfg.privacy.probe.get("live_canaries", 0)) if cfg.get("privacy") and cfg.privacy.enabled else 0
         if n_live > 0:  # canaries through the live link: the audit scans these frames
             canaries = _canary_queries(cfg, n_live)
-            canary_sent, _ = protect_queries(canaries, mode, model, tok, redactor, max_new)
+            canary_sent, _ = protect_queries(canaries, mode, model, tok, redactor, max_new, attempts)
             run_devices(model, tok, canary_sent, ["spec_sync"], replace(dcfg, max_new_tokens=4), host, port,
                         wan, 1, tokenizer_fingerprint(tok), max_prompt_tokens=int(c.eval.max_prompt_tokens),
                         head=head, drafter=spec)
