@@ -173,6 +173,10 @@ def test_pair_list():
 
 
 def test_train_multi_gate(cfg, public, tmp_path):
+    """The gate of tiny-llama over two sharers trains on fuser_train and is scored on the
+    held-out fuser_val rows; a budget at which the fusers (and so the gate) matter."""
+    cfg = cfg.copy()
+    cfg.c2c.train.update({"steps": 8, "lr": 3e-2, "gate_steps": 8})
     sides = {LLAMA: side(cfg, LLAMA, adapter(cfg, LLAMA, 1)), QWEN: side(cfg, QWEN, adapter(cfg, QWEN, 2), 2),
              GEMMA: side(cfg, GEMMA, adapter(cfg, GEMMA, 3), 3)}
     svc = FuserService(cfg, FuserRegistry(tmp_path), slices=public)
@@ -185,12 +189,12 @@ def test_train_multi_gate(cfg, public, tmp_path):
         {k: tuple(v.shape) for k, v in ref.state_dict().items()}
     assert all(v.dtype == np.float32 for v in state.values())
     assert meta["params"] == ref.num_parameters() == sum(v.size for v in state.values()) > 0
-    assert meta["steps"] == int(cfg.c2c.train.gate_steps) == 2
+    assert meta["steps"] == int(cfg.c2c.train.gate_steps) == 8
     assert meta["kwargs"] == {"drop_threshold": ref.drop_threshold}
-    assert math.isfinite(meta["loss_before"]) and math.isfinite(meta["loss_after"])
-    assert meta["loss_before"] > 0 and meta["loss_after"] > 0
-    # trained: the gate moved away from its zero-weight init
-    assert any(np.abs(v).max() > 0 for k, v in state.items() if k.endswith("weight"))
+    # scored on the held-out fuser_val rows (the gate trains on fuser_train): training lowered it
+    print(f"gate held-out loss {meta['loss_before']:.5f} -> {meta['loss_after']:.5f}")
+    assert math.isfinite(meta["loss_before"]) and meta["loss_before"] > 0
+    assert meta["loss_after"] < meta["loss_before"] - 0.003, meta  # measured 5.860 -> 5.853
 
 
 def test_fusers_train_on_the_fuser_slices(cfg, public, tmp_path, monkeypatch):

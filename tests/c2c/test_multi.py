@@ -17,6 +17,7 @@ from edgefuse.c2c import C2CFuser, FuserConfig, MultiSharerGate, fuse_many, kv_s
 from edgefuse.c2c.gate_train import MultiExample, build_multi_examples, evaluate_multi, multi_loss, train_gate
 from edgefuse.c2c.examples import build_pair_example
 from edgefuse.c2c.train import pair_loss
+from tests.c2c.heldout import TRAIN_ROWS, VAL_ROWS
 
 ROWS = [
     {"instruction": "Answer the question.", "context": "The quick brown fox.", "response": "The lazy dog."},
@@ -211,8 +212,13 @@ def test_multi_loss_with_one_hot_gate_is_the_pair_loss(setup):
         multi_loss(gate, setup["fusers"][:1], setup["receiver"], setup["sharer_models"], ex)
 
 
-def test_train_gate_lowers_the_loss(setup):
-    examples, fusers, sharers = setup["examples"], setup["fusers"], setup["sharer_models"]
+def test_train_gate_lowers_the_held_out_loss(setup):
+    """Trained on TRAIN_ROWS, scored on VAL_ROWS (no row in common): the gate's held-out
+    loss falls; only the gate learned."""
+    fusers, sharers = setup["fusers"], setup["sharer_models"]
+    examples = build_multi_examples(TRAIN_ROWS, setup["rtok"], setup["sharer_toks"], max_seq_len=256)
+    held_out = build_multi_examples(VAL_ROWS, setup["rtok"], setup["sharer_toks"], max_seq_len=256)
+    assert len(examples) == len(TRAIN_ROWS) and len(held_out) == len(VAL_ROWS)
     # A random tiny model predicts almost uniformly whatever its cache holds; scaling its
     # final norm by 10 sharpens the logits so that the cache (hence the gate) matters.
     receiver = copy.deepcopy(setup["receiver"])
@@ -221,13 +227,13 @@ def test_train_gate_lowers_the_loss(setup):
     torch.manual_seed(0)
     gate = make_gate(setup)
     fuser_state = [{k: v.clone() for k, v in f.state_dict().items()} for f in fusers]
-    before = evaluate_multi(gate, fusers, receiver, sharers, examples)
+    before = evaluate_multi(gate, fusers, receiver, sharers, held_out)
     out = train_gate(gate, fusers, receiver, sharers, examples, steps=12, batch_size=2, lr=0.03, seed=0,
                      progress=False)
-    after = evaluate_multi(gate, fusers, receiver, sharers, examples)
+    after = evaluate_multi(gate, fusers, receiver, sharers, held_out)
+    print(f"gate held-out loss {before['loss']:.3f} -> {after['loss']:.3f}")
     assert len(out["losses"]) == 12 and out["first_loss"] == out["losses"][0]
-    assert after["loss"] < before["loss"] - 0.3, (before, after)  # about 8.4 -> 7.6 nats
-    assert sum(out["losses"][-3:]) / 3 < out["losses"][0] - 0.3, out["losses"]
+    assert after["loss"] < before["loss"] - 0.3, (before, after)
     assert not gate.training
     # only the gate learned; the models and fusers got their flags and modes back
     for f, state in zip(fusers, fuser_state):
