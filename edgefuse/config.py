@@ -41,6 +41,7 @@ def compose(experiment: str = "default", overrides: str | list[str] = "") -> Dic
     from hydra.core.global_hydra import GlobalHydra
 
     items = shlex.split(overrides) if isinstance(overrides, str) else list(overrides)
+    items = [hub_for_null_mirror(o) for o in items]
     if not any(o.split("=", 1)[0].lstrip("+~") == "experiment" for o in items):
         items = [f"experiment={experiment}", *items]
     GlobalHydra.instance().clear()
@@ -73,6 +74,36 @@ class Paths:
     outputs_root: Path
 
 
+def hub_for_null_mirror(override: str) -> str:
+    """``data.mirror=null`` (an explicit override) as ``data.mirror=hub``; any other
+    override unchanged. Unset, ``data.mirror`` is looked for further (:func:`resolve_paths`);
+    set to null on purpose, it means the hub, as ``hub`` does."""
+    key, eq, value = override.partition("=")
+    if eq and key.lstrip("+") == "data.mirror" and value.strip().lower() in ("null", "~"):
+        return f"{key}=hub"
+    return override
+
+
+def resolve_device(setting: str | None = "auto") -> str:
+    """The torch device a ``device`` setting names: ``auto`` (or None) is ``cuda`` when
+    ``torch.cuda.is_available()``, else ``cpu``; ``cpu`` and ``cuda`` are themselves.
+
+    Raises:
+        ConfigError: another value, or ``cuda`` when torch sees no CUDA device.
+    """
+    import torch
+
+    value = "auto" if setting is None else str(setting).lower()
+    if value not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"device must be auto, cpu or cuda, got {setting!r}")
+    if value == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if value == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device=cuda but torch sees no CUDA device (torch "
+                          f"{torch.__version__}, CUDA build {torch.version.cuda}): use device=auto or cpu")
+    return value
+
+
 def _set(value) -> bool:
     return value is not None and str(value) not in ("", "null")
 
@@ -88,8 +119,9 @@ def resolve_paths(cfg: DictConfig | None = None, *, data_mirror=None, cache_dir=
 
     * data mirror: ``EDGEFUSE_DATA_MIRROR``, then ``../shared/data`` beside the checkout
       when it holds ``dolly/``, then the hub (None). The value ``hub``, at any level, means
-      the hub without looking further; a relative folder is found as
-      :func:`edgefuse.data.mirror_dir` says.
+      the hub without looking further (so does an explicit ``data.mirror=null`` override,
+      which :func:`compose` and ``edgefuse run`` turn into ``hub``); a relative folder is
+      found as :func:`edgefuse.data.mirror_dir` says.
     * cache: ``EDGEFUSE_CACHE``, then ``~/.cache/edgefuse`` (:func:`edgefuse.models.cache_dir`).
     * outputs: ``EDGEFUSE_OUTPUTS``, then ``outputs``; relative to the current directory.
 
@@ -136,8 +168,11 @@ def validate(cfg: DictConfig) -> None:
             with ``cloud.enabled``, a ``device_model`` no client runs, an unknown mode or
             WAN preset, or an out-of-range decoding setting; an unknown protection mode (also
             per client), probe protection or layer, a non-positive probe count, an
-            ``l_cache`` below 1 or a ``max_update_norm`` that is not positive.
+            ``l_cache`` below 1 or a ``max_update_norm`` that is not positive; a ``device``
+            :func:`resolve_device` refuses.
     """
+    if "device" in cfg:
+        resolve_device(cfg.device)
     clients = cfg.federation.clients
     if not clients:
         raise ConfigError("federation.clients is empty: name at least one client")

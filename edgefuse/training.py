@@ -18,6 +18,8 @@ def _token_loss_sum(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor
     ``batch`` holds ``input_ids``, ``attention_mask``, ``labels`` as ``[batch, T]``
     LongTensors with ``labels == -100`` on prompt and padding positions.
     """
+    device = next(model.parameters()).device  # batches are built on the CPU
+    batch = {k: v.to(device) for k, v in batch.items()}
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     shift_logits = logits[:, :-1, :].float()
     shift_labels = batch["labels"][:, 1:]

@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 
 from edgefuse.app import phases
 from edgefuse.cli.common import one_line, quote_override
-from edgefuse.config import CONF_DIR, ConfigError, resolve_paths, validate
+from edgefuse.config import CONF_DIR, ConfigError, hub_for_null_mirror, resolve_paths, validate
 from edgefuse.data import HUB, mirror_file
 from edgefuse.eval.splits import public_slices
 from edgefuse.models import ModelFetchError, ModelSpecError, get_spec, is_fetched
@@ -51,10 +51,13 @@ def pinned_overrides(cfg: DictConfig, task_overrides: list[str]) -> list[str]:
     :func:`edgefuse.config.resolve_paths` filled them), always explicit.
 
     A long-lived local SuperLink composes the config in its own environment, so nothing
-    environment-dependent is left for it to fill in (``data.mirror=hub`` = the hub).
+    environment-dependent is left for it to fill in (``data.mirror=hub`` = the hub). The
+    job's own ``paths.cache_dir`` / ``data.mirror`` overrides give way to their resolved
+    values.
     """
     mirror = cfg.data.get("mirror")
-    items = list(task_overrides)
+    pinned = ("paths.cache_dir", "data.mirror")
+    items = [o for o in task_overrides if o.split("=", 1)[0].lstrip("+~") not in pinned]
     items.append(f"paths.cache_dir={quote_override(str(cfg.paths.cache_dir))}")
     items.append("data.mirror=" + (quote_override(str(mirror)) if mirror else HUB))
     return items
@@ -65,11 +68,11 @@ def foreign_superlink() -> str | None:
     Python environment (its runs would use that environment's code), else None."""
     import psutil
 
-    mine = str(Path(sys.executable).parent)
+    mine = Path(sys.executable).parent
     for p in psutil.process_iter(["cmdline"]):
         cmd = p.info["cmdline"] or []
         if any(c.endswith("flower-superlink") for c in cmd[:2]) and "--simulation" in cmd:
-            if not any(c.startswith(mine) for c in cmd[:2]):
+            if not any(Path(c).parent == mine for c in cmd[:2]):
                 return " ".join(cmd[:2])
     return None
 
@@ -193,6 +196,9 @@ def hydra_main(cfg: DictConfig) -> None:
     hc = HydraConfig.get()
     out = Path(hc.runtime.output_dir).resolve()
     try:
+        task = list(hc.overrides.task)
+        if any(hub_for_null_mirror(o) != o for o in task):  # data.mirror=null on purpose: the hub
+            cfg.data.mirror = HUB
         resolve_paths(cfg)
         validate(cfg)
         phases.check(cfg)
@@ -203,7 +209,7 @@ def hydra_main(cfg: DictConfig) -> None:
             print(f"[edgefuse] warning: the running local SuperLink ({other}) belongs to another "
                   "Python environment and runs that environment's edgefuse code; stop it "
                   "(`pkill -f flower-superlink`) to use this one.", file=sys.stderr, flush=True)
-        run_flower(cfg, pinned_overrides(cfg, list(hc.overrides.task)), out)
+        run_flower(cfg, pinned_overrides(cfg, task), out)
     except KeyboardInterrupt:
         print(f"[edgefuse] stopped; partial results in {out}", file=sys.stderr, flush=True)
         sys.exit(130)

@@ -146,3 +146,47 @@ def test_compose_resolves_paths(monkeypatch, tmp_path):
     assert cfg.data.mirror == str(tmp_path) and cfg.outputs.root == str(tmp_path / "runs")
     assert cfg.paths.cache_dir and cfg.paths.cache_dir.startswith("/")
     assert compose("tiny", "data.mirror=hub").data.mirror is None
+
+
+def test_device_setting_resolves_and_refuses_what_torch_cannot_use(monkeypatch):
+    import torch
+
+    from edgefuse.config import resolve_device
+
+    assert compose("tiny").device == "auto"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == resolve_device(None) == "cpu"
+    assert resolve_device("cpu") == "cpu"
+    with pytest.raises(ConfigError, match="device=cuda but torch sees no CUDA device"):
+        resolve_device("cuda")
+    with pytest.raises(ConfigError, match="device=cuda but torch sees no CUDA device"):
+        compose("tiny", "device=cuda")
+    with pytest.raises(ConfigError, match="device must be auto, cpu or cuda, got 'tpu'"):
+        compose("tiny", "device=tpu")
+    assert compose("tiny", "device=cpu").device == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("auto") == resolve_device("CUDA") == "cuda"
+    assert resolve_device("cpu") == "cpu"
+
+
+def test_lora_training_moves_to_the_device_and_back(monkeypatch):
+    """The local handler trains and evaluates on the resolved device, then hands the model
+    back on the CPU (the other handlers share it); here ``cuda`` is faked by recording."""
+    import torch
+
+    from edgefuse.app.handlers import local
+
+    moves = []
+    model = torch.nn.Linear(2, 2)
+    monkeypatch.setattr(model, "to", lambda device: moves.append(str(device)) or model)
+    monkeypatch.setattr(local, "resolve_device", lambda setting: {"auto": "cuda", "cpu": "cpu"}[setting])
+    with local.on_device(model, "auto") as m:
+        assert m is model and moves == ["cuda"]
+    assert moves == ["cuda", "cpu"]
+    with pytest.raises(ValueError), local.on_device(model, "auto"):
+        raise ValueError("training failed")
+    assert moves[-1] == "cpu"  # back on the CPU after a failure too
+    moves.clear()
+    with local.on_device(model, "cpu"):
+        pass
+    assert moves == []

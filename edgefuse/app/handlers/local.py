@@ -9,14 +9,16 @@ between messages live in the Flower ``Context.state``.
 from __future__ import annotations
 
 import gc
+import logging
 import time
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
 from edgefuse import data as data_mod
-from edgefuse.config import client_entry, from_json, lora_targets
+from edgefuse.config import client_entry, from_json, lora_targets, resolve_device
 from edgefuse.lora import (attach_lora, get_adapter_state, pack_adapter, set_adapter_state,
                            unpack_adapter, adapter_nbytes)
 from edgefuse.models import load_model
@@ -24,6 +26,8 @@ from edgefuse.training import evaluate_loss, train_steps
 
 _MODELS: "OrderedDict[tuple, dict]" = OrderedDict()  # LRU: key -> {"peft", "tok", "init", "load_s"}
 _ROWS: dict = {}  # (model, partition, ...) -> (train_rows, val_rows)
+_DEVICE_LOGGED: set = set()  # devices already named in the log
+log = logging.getLogger(__name__)
 
 
 def _lora_key(cfg: DictConfig, entry: DictConfig) -> tuple:
@@ -61,6 +65,25 @@ def _rows_for(cfg: DictConfig, entry: DictConfig, tok, partition_id: int, num_pa
         _ROWS[key] = (data_mod.tokenize_dataset(train_ds, tok, max_len),
                       data_mod.tokenize_dataset(val_ds, tok, max_len))
     return _ROWS[key]
+
+
+@contextmanager
+def on_device(model, setting):
+    """Run the block with ``model`` on the device ``setting`` resolves to
+    (:func:`edgefuse.config.resolve_device`), then move it back to the CPU: the C2C, decoding
+    and privacy handlers share this model and feed it CPU tensors."""
+    device = resolve_device(setting)
+    if device not in _DEVICE_LOGGED:
+        _DEVICE_LOGGED.add(device)
+        log.info("LoRA training and evaluation run on %s (device=%s)", device, setting)
+    if device == "cpu":
+        yield model
+        return
+    model.to(device)
+    try:
+        yield model
+    finally:
+        model.to("cpu")
 
 
 @dataclass
@@ -124,17 +147,19 @@ class LocalClient:
     def train(self, round_idx: int) -> dict:
         """``training.steps_per_round`` optimizer steps; see :func:`train_steps`."""
         t = self.cfg.training
-        return train_steps(
-            self.slot["peft"], self.train_rows, self.slot["tok"].pad_token_id,
-            steps=int(t.steps_per_round), batch_size=int(t.batch_size), lr=float(t.lr),
-            weight_decay=float(t.weight_decay), max_grad_norm=float(t.max_grad_norm),
-            seed=int(self.cfg.seed) + self.partition_id, round_idx=round_idx,
-        )
+        with on_device(self.slot["peft"], self.cfg.get("device", "auto")) as model:
+            return train_steps(
+                model, self.train_rows, self.slot["tok"].pad_token_id,
+                steps=int(t.steps_per_round), batch_size=int(t.batch_size), lr=float(t.lr),
+                weight_decay=float(t.weight_decay), max_grad_norm=float(t.max_grad_norm),
+                seed=int(self.cfg.seed) + self.partition_id, round_idx=round_idx,
+            )
 
     def evaluate(self) -> dict:
         """Held-out loss with the adapter currently applied."""
-        return evaluate_loss(self.slot["peft"], self.val_rows, self.slot["tok"].pad_token_id,
-                             int(self.cfg.training.eval_batch_size))
+        with on_device(self.slot["peft"], self.cfg.get("device", "auto")) as model:
+            return evaluate_loss(model, self.val_rows, self.slot["tok"].pad_token_id,
+                                 int(self.cfg.training.eval_batch_size))
 
     def base_eval(self, context=None) -> dict:
         """Held-out loss of the base model (adapter disabled), computed once per node.
