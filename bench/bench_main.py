@@ -324,7 +324,8 @@ def run_experiment(name: str, out_root: Path, extra: list[str], repo: Path, pyth
            *extra]
     log_path = out_root / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}.log"
     dirty = _git(repo, "status", "--porcelain", "--untracked-files=no")
-    entry = {"experiment": name, "label": label, "command": " ".join(cmd), "repo": str(repo),
+    entry = {"experiment": name, "label": label, "overrides": list(extra),
+             "command": " ".join(cmd), "repo": str(repo),
              "commit": _git(repo, "rev-parse", "HEAD"),
              "modified_files": len(dirty.splitlines()),
              "log": str(log_path), "load_before": list(os.getloadavg())}
@@ -417,6 +418,40 @@ def _git(repo: Path, *args: str) -> str:
         return ""
 
 
+def recorded_jobs(report: dict) -> set[tuple[str, str, tuple[str, ...]]]:
+    """``{(label, experiment, overrides)}`` of the runs a bench JSON holds (older files
+    without ``overrides``: the words of ``command`` after ``outputs.root=...``)."""
+    jobs = set()
+    for e in report.get("experiments", []):
+        extra = e.get("overrides")
+        if extra is None:
+            words = e.get("command", "").split()
+            at = next((i for i, w in enumerate(words) if w.startswith("outputs.root=")), len(words))
+            extra = words[at + 1:]
+        jobs.add((e.get("label", ""), e["experiment"], tuple(extra)))
+    return jobs
+
+
+def check_overwrite(out: Path, jobs: set, force: bool, append: bool) -> str | None:
+    """Why writing ``jobs`` to ``out`` must not go ahead (one line), or None: ``out`` is new,
+    unreadable as a report, holds the same jobs, or ``--force`` / ``--append`` was given."""
+    if force or append or not out.exists():
+        return None
+    try:
+        held = recorded_jobs(json.loads(out.read_text()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    if held == jobs:
+        return None
+
+    def show(js):
+        return "; ".join(f"{exp}{f' [{lab}]' if lab else ''} {' '.join(ov) or '(no overrides)'}"
+                         for lab, exp, ov in sorted(js)) or "nothing"
+
+    return (f"{out} holds another job ({show(held)}), this one is {show(jobs)}: pass --force to "
+            "overwrite it, --append to add to it, or --out for a new file")
+
+
 PHASE_ORDER = ("startup", "train", "aggregate", "evaluate", "fusers", "c2c_eval", "decoding",
                "privacy", "teardown")
 
@@ -475,6 +510,8 @@ def main(argv=None) -> int:
     ap.add_argument("--label", default="", help="tag for these runs, e.g. before / after")
     ap.add_argument("--append", action="store_true",
                     help="add to the runs already in --out (same label + experiment replaced)")
+    ap.add_argument("--force", action="store_true",
+                    help="overwrite --out even when it records other experiments or overrides")
     ap.add_argument("--repo", default=str(ROOT), help="checkout to run (default: this one)")
     ap.add_argument("--python", default=None,
                     help="its Python (default: <repo>/.venv/bin/python, else this one)")
@@ -489,6 +526,10 @@ def main(argv=None) -> int:
                              if (repo / ".venv" / "bin" / "python").exists() else sys.executable)
     out = Path(args.out).resolve()
     runs_root = out.parent / (out.stem + "_runs")
+    if why := check_overwrite(out, {(args.label, n, tuple(args.overrides)) for n in names},
+                              args.force, args.append):
+        print(f"bench_main: error: {why}", file=sys.stderr)
+        return 2
     report = {"experiments": []}
     if args.append and out.exists():
         report = json.loads(out.read_text())

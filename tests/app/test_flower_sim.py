@@ -201,5 +201,20 @@ def test_deployment_mode_with_real_supernode_processes(tmp_path):
     rows = res["rounds"][0]["clients"]
     assert [r["partition_id"] for r in rows] == [0, 1, 2, 3]
     assert all(r["status"] == "ok" and r["eval_loss"] < r["base_eval_loss"] for r in rows)
+    # the cloud phase ran through the SuperNode's ClientApp: a row for every configured mode,
+    # tokens generated in each, agreement with the target recorded, lossless speculation
+    modes = res["config"]["cloud"]["modes"]
     dec = {r["mode"]: r for r in res["decoding"]}
-    assert dec["spec_sync"]["identical_to_target"] is True and dec["cloud"]["round_trips_per_token"] == 1.0
+    assert list(dec) == modes == ["edge", "cloud", "spec_sync", "spec_async", "fusion_static",
+                                  "fusion_adaptive"]
+    for m, r in dec.items():
+        assert r["new_tokens"] > 0 and r["prompts"] == 10 and r["fallbacks"] == 0, (m, r)
+        assert 0 <= r["agreement_with_target"] <= 1, (m, r)
+    assert dec["cloud"]["agreement_with_target"] == 1.0 and dec["cloud"]["round_trips_per_token"] == 1.0
+    for m in ("spec_sync", "spec_async"):
+        assert dec[m]["identical_to_target"] is True and dec[m]["agreement_with_target"] == 1.0
+    assert dec["edge"]["bytes_up_per_token"] == 0 and dec["edge"]["round_trips_per_token"] == 0
+    recs = res["decoding_records"]
+    assert len(recs) == 10 * len(modes) and {r["mode"] for r in recs} == set(modes)
+    assert res["summary"]["cloud_service"]["frames_rejected"] == 0
+    assert (run / "decoding.csv").stat().st_size > 0 and (run / "cloud_service.log").stat().st_size > 0

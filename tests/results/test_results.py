@@ -206,10 +206,33 @@ def test_load_results_rejects_bad_files(tmp_path: Path):
         R.load_results(a_list)
 
 
-def test_sample_plot(recorder: R.RunRecorder):
-    # A sample for eyeballing the layout; harmless if /tmp is not writable.
-    try:
-        training.plot_eval_loss(recorder.results, "/tmp/edgefuse_sample_eval.png")
-        training.plot_bytes(recorder.results, "/tmp/edgefuse_sample_bytes.png")
-    except OSError:
-        pytest.skip("/tmp not writable")
+def test_sample_plots_draw_the_rows(recorder: R.RunRecorder, tmp_path: Path, monkeypatch):
+    """Both training plots, written under tmp_path: valid PNGs, and the figures hold the
+    fixture's numbers (read from the axes before saving)."""
+    figures = {}
+    save = training.save_png
+
+    def keep(fig, path):
+        figures[Path(path).name] = fig
+        return save(fig, path)
+    monkeypatch.setattr(training, "save_png", keep)
+    eval_png = training.plot_eval_loss(recorder.results, tmp_path / "eval.png")
+    bytes_png = training.plot_bytes(recorder.results, tmp_path / "bytes.png")
+    for p in (eval_png, bytes_png):
+        blob = p.read_bytes()
+        assert p.parent == tmp_path and blob.startswith(PNG_MAGIC) and len(blob) > 1000
+        assert blob[12:16] == b"IHDR" and blob[-8:-4] == b"IEND"
+    (ax,) = figures["eval.png"].axes
+    curves = [(list(line.get_xdata()), list(line.get_ydata())) for line in ax.lines
+              if line.get_marker() == "o"]
+    # eval loss = base (3 + partition) - 0.25 x round; partition 1 has none in round 2 (a gap)
+    assert [xs for xs, _ in curves] == [[1, 2]] * 3
+    ys = [y for _, y in curves]
+    assert ys[0] == [2.75, 2.5] and ys[2] == [4.75, 4.5]
+    assert ys[1][0] == 3.75 and math.isnan(ys[1][1])
+    bases = sorted(line.get_ydata()[0] for line in ax.lines if line.get_linestyle() == "--")
+    assert bases == [3.0, 4.0, 5.0]
+    up, down = figures["bytes.png"].axes
+    # uploaded MB per bar: 1.5 x (partition + 1), both rounds; downloaded: 2 MB each
+    assert sorted(round(b.get_height(), 6) for b in up.patches) == [1.5, 1.5, 3.0, 3.0, 4.5, 4.5]
+    assert [round(b.get_height(), 6) for b in down.patches] == [2.0] * 6
