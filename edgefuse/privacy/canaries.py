@@ -21,8 +21,10 @@ _PRIVATE = {"person", "name", "name_female", "name_male", "first_name", "last_na
             "first_name_male", "first_name_female", "last_name_male", "last_name_female",
             "first_name_nonbinary", "email", "phone_number", "credit_card_number", "ssn",
             "address", "street_name", "date_of_birth", "iban", "us_driver_license"}
-_STRUCTURED = {"email", "phone_number", "credit_card_number", "ssn", "address", "date_of_birth",
-               "iban", "us_driver_license"}
+STRUCTURED_KINDS = frozenset({"email", "phone_number", "credit_card_number", "ssn", "address",
+                              "date_of_birth", "iban", "us_driver_license"})
+"""Canary kinds of structured PII (pattern recognizers catch them; a street alone is not one)."""
+_STRUCTURED = STRUCTURED_KINDS
 _NAMES = {"person", "name", "name_female", "name_male"}
 _PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
 
@@ -114,7 +116,8 @@ def load_canary_prompts(mirror: str | Path | None, n: int, seed: int) -> list[Ca
     if n < 1:
         raise ValueError(f"need at least one canary prompt, got n={n}")
     d = _pii_dir(mirror)
-    templates = [t.strip() for t in (d / "templates.txt").read_text(encoding="utf-8", errors="replace").splitlines()]
+    templates = [t.strip().replace("\\n", "\n")  # the file writes a template's line breaks as \n
+                 for t in (d / "templates.txt").read_text(encoding="utf-8", errors="replace").splitlines()]
     with open(d / "FakeNameGenerator.com_3000.csv", encoding="utf-8-sig", newline="") as f:
         rows = list(csv.DictReader(f))
     rng = random.Random(seed)

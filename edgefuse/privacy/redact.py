@@ -265,15 +265,20 @@ class Redactor:
         self.score_threshold = float(score_threshold)
         self.spacy_model = spacy_model
         self.known: list[str] = []
+        self._known_patterns: list[re.Pattern] = []
 
     def remember(self, values) -> None:
-        """Always redact these exact values (case-insensitive) as ``<PRIVATE_n>``: the private
-        values the device itself knows (its owner's name, address, contacts), which NER alone
-        may miss. Values shorter than 3 characters are ignored."""
+        """Always redact these exact values (case-insensitive, as whole words: "Hanna" is not
+        redacted inside "Hannah") as ``<PRIVATE_n>``: the private values the device itself
+        knows (its owner's name, address, contacts), which NER alone may miss. Values shorter
+        than 3 characters are ignored."""
         for v in values:
             v = str(v).strip()
             if len(v) >= 3 and v not in self.known:
                 self.known.append(v)
+                self._known_patterns.append(re.compile(
+                    ("(?<!\\w)" if v[0].isalnum() else "") + re.escape(v)
+                    + ("(?!\\w)" if v[-1].isalnum() else ""), re.IGNORECASE))
 
     @classmethod
     def from_config(cls, cfg) -> "Redactor":
@@ -302,12 +307,9 @@ class Redactor:
         if self.known:
             from presidio_analyzer import RecognizerResult
 
-            low = text.lower()
-            for v in self.known:
-                start = low.find(v.lower())
-                while start >= 0:
-                    results.append(RecognizerResult("PRIVATE", start, start + len(v), 1.0))
-                    start = low.find(v.lower(), start + 1)
+            for pat in self._known_patterns:
+                results.extend(RecognizerResult("PRIVATE", m.start(), m.end(), 1.0)
+                               for m in pat.finditer(text))
         return _merge_spans(results)
 
     def redact(self, text: str) -> Redacted:

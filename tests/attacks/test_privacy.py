@@ -59,14 +59,11 @@ def fresh_audit(monkeypatch) -> A.OutboundAudit:
 
 @pytest.fixture
 def redactor():
-    """A fresh Redactor (``remember`` mutates it, so not the cached default one)."""
-    pytest.importorskip("presidio_analyzer")
+    """A fresh Redactor (``remember`` mutates it, so not the cached default one). Presidio and
+    the spaCy model are hard dependencies: when they are missing these tests fail, not skip."""
     from edgefuse.privacy.redact import Redactor
 
-    try:
-        return Redactor()
-    except ValueError as e:  # the spaCy model is not installed
-        pytest.skip(str(e))
+    return Redactor()
 
 
 def ids_of(tok, text: str) -> list[int]:
@@ -183,12 +180,14 @@ def test_audit_counts_payloads_bytes_and_hits_per_type(tiny):
     with pytest.raises(ValueError, match="unknown payload type"):
         aud.outbound("text", b"quick brown")
     snap = aud.snapshot()
+    canary = {"message_type": "", "canary_kind": "canary", "field": ""}
     assert snap == {
-        "control": {"payloads": 1, "bytes": 5, "canary_hits": 0, "hit_kinds": {}},
+        "control": {"payloads": 1, "bytes": 5, "canary_hits": 0, "hit_kinds": {}, "hits": []},
         "draft_tokens": {"payloads": 2, "bytes": len(leak) + len(clean), "canary_hits": 1,
-                         "hit_kinds": {"as_tokens": 1}},
-        "prompt_text": {"payloads": 1, "bytes": 24, "canary_hits": 2, "hit_kinds": {"as_text": 2}},
-        "kv": {"payloads": 1, "bytes": 100, "canary_hits": 0, "hit_kinds": {}},
+                         "hit_kinds": {"as_tokens": 1}, "hits": [{**canary, "how": "as_tokens", "n": 1}]},
+        "prompt_text": {"payloads": 1, "bytes": 24, "canary_hits": 2, "hit_kinds": {"as_text": 2},
+                        "hits": [{**canary, "how": "as_text", "n": 2}]},
+        "kv": {"payloads": 1, "bytes": 100, "canary_hits": 0, "hit_kinds": {}, "hits": []},
     }
     assert aud.snapshot(reset=True) == snap
     assert aud.snapshot() == {}
@@ -209,16 +208,20 @@ def test_a_canary_counts_once_per_way_it_is_found(tiny):
 
 
 def test_merge_sums_snapshots():
+    h = {"message_type": "query.decode", "canary_kind": "email", "how": "as_tokens", "field": ""}
     a = {"kv": {"payloads": 2, "bytes": 100, "canary_hits": 0, "hit_kinds": {}},
-         "draft_tokens": {"payloads": 3, "bytes": 30, "canary_hits": 2, "hit_kinds": {"as_tokens": 2}}}
+         "draft_tokens": {"payloads": 3, "bytes": 30, "canary_hits": 2, "hit_kinds": {"as_tokens": 2},
+                          "hits": [{**h, "n": 2}]}}
     b = {"draft_tokens": {"payloads": 1, "bytes": 12, "canary_hits": 3,
-                          "hit_kinds": {"as_tokens": 1, "as_text": 2}},
+                          "hit_kinds": {"as_tokens": 1, "as_text": 2},
+                          "hits": [{**h, "n": 1}, {**h, "how": "as_text", "canary_kind": "name", "n": 2}]},
          "metadata": {"payloads": 4, "bytes": 7}}  # counts missing from a snapshot are 0
     assert A.merge([a, b, {}]) == {
-        "kv": {"payloads": 2, "bytes": 100, "canary_hits": 0, "hit_kinds": {}},
+        "kv": {"payloads": 2, "bytes": 100, "canary_hits": 0, "hit_kinds": {}, "hits": []},
         "draft_tokens": {"payloads": 4, "bytes": 42, "canary_hits": 5,
-                         "hit_kinds": {"as_tokens": 3, "as_text": 2}},
-        "metadata": {"payloads": 4, "bytes": 7, "canary_hits": 0, "hit_kinds": {}},
+                         "hit_kinds": {"as_tokens": 3, "as_text": 2},
+                         "hits": [{**h, "n": 3}, {**h, "how": "as_text", "canary_kind": "name", "n": 2}]},
+        "metadata": {"payloads": 4, "bytes": 7, "canary_hits": 0, "hit_kinds": {}, "hits": []},
     }
     assert A.merge([]) == {}
     assert a["draft_tokens"]["payloads"] == 3  # inputs untouched
@@ -234,9 +237,9 @@ def test_record_bytes_types_every_record():
         "metrics": MetricRecord({"loss": 0.5}),
     })
     assert A.record_bytes(content) == [
-        ("adapter", w.data), ("sealed", frame.data),
-        ("metadata", b"\x01\x02"), ("metadata", b"a=1\ns=hello\nraw="),
-        ("metadata", b"loss=0.5"),
+        ("adapter", "adapter.w", w.data), ("sealed", "frames.f", frame.data),
+        ("metadata", "cfg.a", b"a=1"), ("metadata", "cfg.s", b"s=hello"),
+        ("metadata", "cfg.raw", b"\x01\x02"), ("metadata", "metrics.loss", b"loss=0.5"),
     ]
 
 
@@ -262,14 +265,19 @@ def test_flower_mod_attaches_the_handlers_audit(tiny, fresh_audit):
     reply = A.flower_mod(msg, "ctx", handler)
     assert seen["ctx"] == "ctx"
     stats = json.loads(str(reply.content["privacy_audit"]["stats"]))
-    note = len(b"note=saw a quick brown fox\nn=3")
+    note = len(b"note=saw a quick brown fox") + len(b"n=3")
+    hit = {"message_type": "train", "canary_kind": "canary", "n": 1}
     assert stats == {
-        "draft_tokens": {"payloads": 1, "bytes": len(frame), "canary_hits": 1, "hit_kinds": {"as_tokens": 1}},
-        "adapter": {"payloads": 1, "bytes": len(arr.data), "canary_hits": 1, "hit_kinds": {"as_tokens": 1}},
+        "draft_tokens": {"payloads": 1, "bytes": len(frame), "canary_hits": 1, "hit_kinds": {"as_tokens": 1},
+                         "hits": [{**hit, "how": "as_tokens", "field": ""}]},
+        "adapter": {"payloads": 1, "bytes": len(arr.data), "canary_hits": 1, "hit_kinds": {"as_tokens": 1},
+                    "hits": [{**hit, "how": "as_tokens", "field": "adapter.lora"}]},
         "sealed": {"payloads": 1, "bytes": len(Array(np.zeros(3, np.uint8)).data), "canary_hits": 0,
-                   "hit_kinds": {}},
-        "metadata": {"payloads": 1, "bytes": note, "canary_hits": 1, "hit_kinds": {"as_text": 1}},
+                   "hit_kinds": {}, "hits": []},
+        "metadata": {"payloads": 2, "bytes": note, "canary_hits": 1, "hit_kinds": {"as_text": 1},
+                     "hits": [{**hit, "how": "as_text", "field": "metrics.note"}]},
     }
+    assert fresh_audit.message_type == ""  # only while the handler runs
     assert list(reply.content.array_records) == ["adapter", "frames"]  # the reply is unchanged
     assert fresh_audit.snapshot() == {}  # taken with reset: the next message starts afresh
 
@@ -385,23 +393,52 @@ def test_lcs_and_token_accuracy_by_hand():
     assert token_accuracy(np.array([5, 6]), np.array([5, 6])) == 1.0
 
 
-def test_ridge_inverter_recovers_tokens_from_embeddings(tiny):
-    model, _ = tiny
+def kv_payload(model, tok, text: str, layer: int = 0) -> tuple[list[int], torch.Tensor]:
+    """A prompt's ids and what a C2C receiver holds of it: the KV cache sent through the int8
+    wire codec (edgefuse.c2c.exchange), decoded, as layer ``layer``'s per-position features."""
+    from edgefuse.c2c.exchange import decode_kv_cache, encode_kv_cache
+
+    ids = ids_of(tok, text)[:64]
+    with torch.no_grad():
+        cache = model(input_ids=torch.tensor([ids]), use_cache=True).cache
+    blob = encode_kv_cache(cache)
+    assert len(blob) < sum(t.numel() for layer in cache.layers for t in (layer.keys, layer.values)) * 2
+    return ids, kv_features(decode_kv_cache(blob), [layer])[layer]
+
+
+def test_ridge_inverter_recovers_held_out_prompts_from_int8_kv_payloads(tiny, mirror):
+    """Trained on public prompts (the attack_train slice), scored on the private canary
+    prompts it never saw, from their layer-0 KV cache as the wire codec delivers it."""
+    from edgefuse.config import compose
+    from edgefuse.eval.splits import public_slices
+
+    model, tok = tiny
     emb = model.get_input_embeddings().weight.detach()
-    ids = torch.arange(emb.shape[0])
     inv = RidgeInverter(emb, ridge=1.0)
     with pytest.raises(RuntimeError, match="fit"):
         inv.predict(emb)
     with pytest.raises(ValueError):
-        inv.fit(emb[:10], ids[:9])
-    pred = inv.fit(emb, ids).predict(emb, chunk=100)
-    assert pred.shape == ids.shape
-    assert (pred == ids).float().mean().item() >= 0.95
-    # a linear map of the embeddings (as a shallow layer would apply) is inverted too
-    g = torch.Generator().manual_seed(0)
-    R = torch.randn(emb.shape[1], 2 * emb.shape[1], generator=g)
-    pred = RidgeInverter(emb, ridge=1.0).fit(emb @ R, ids).predict(emb @ R)
-    assert token_accuracy(pred.tolist(), ids.tolist()) >= 0.95
+        inv.fit(emb[:10], torch.arange(9))
+    cfg = compose("tiny", f"data.mirror={mirror} privacy.probe.attack_train_prompts=48")
+    train_texts = [r["instruction"] for r in public_slices(cfg.data, 0).rows("attack_train")]
+    held_out = [p.text for p in load_canary_prompts(mirror, 8, 0)]
+    assert len(train_texts) == 48 and not set(train_texts) & set(held_out)
+    train = [kv_payload(model, tok, t) for t in train_texts]
+    inv.fit(torch.cat([f for _, f in train]), torch.tensor([i for ids, _ in train for i in ids]))
+    scores, exact = [], []
+    for text in held_out:
+        ids, feats = kv_payload(model, tok, text)
+        pred = inv.predict(feats, chunk=7)  # chunked prediction equals one pass
+        assert pred.shape == (len(ids),) and torch.equal(pred, inv.predict(feats))
+        scores.append(token_accuracy(pred.tolist(), ids))
+        exact.append((pred == torch.tensor(ids)).float().mean().item())
+    # measured (tiny-qwen2, seed 0): 1.0 both ways, on every one of the 8 prompts
+    assert np.mean(scores) >= 0.95 and np.mean(exact) >= 0.95, (scores, exact)
+    # the same attacker on another prompt's payload recovers next to nothing: the ids come
+    # from the payload, not from what the attacker learned of the public text
+    ids_a, feats_a = kv_payload(model, tok, held_out[0])
+    ids_b, _ = kv_payload(model, tok, held_out[1])
+    assert token_accuracy(inv.predict(feats_a).tolist(), ids_b) < 0.5  # measured 0.22
 
 
 def test_payload_features_shapes(tiny):
@@ -451,66 +488,95 @@ def test_run_probe_refuses_unknown_modes(tiny, mirror):
         run_probe(model, tok, priv, mirror, None, 0, protector=lambda t, m: (t, 0))
 
 
+NAME_KINDS = ("name", "person", "name_male", "name_female", "last_name", "first_name")
+
+
 def test_run_probe_rows_and_figures(tiny, mirror):
+    """The probe with the real redactor (Presidio + the device's known identities, as the
+    tiny config sets) and the tiny model as rephraser (random weights: its output keeps no
+    word of the prompt, and is accepted since unredacted prompts hold no placeholder)."""
     from edgefuse.config import compose
     from edgefuse.attacks.probe import PAYLOADS
 
     model, tok = tiny
-    cfg = compose("tiny", f"data.mirror={mirror} privacy.probe.modes=[none,redact,rephrase]")
-    prompts = load_canary_prompts(mirror, int(cfg.privacy.probe.canaries), int(cfg.seed))
+    cfg = compose("tiny", f"data.mirror={mirror} privacy.probe.modes=[none,redact,rephrase] "
+                          "privacy.probe.canaries=8 privacy.probe.attack_train_prompts=48")
+    assert cfg.privacy.redact.known_identities is True
+    prompts = load_canary_prompts(mirror, 8, int(cfg.seed))
     values = sorted({c for p in prompts for c in p.canaries}, key=len, reverse=True)
-    calls = []
-
-    def protector(texts, mode):  # redact: every canary value out; otherwise identity
-        calls.append(mode)
-        if mode != "redact":
-            return list(texts), 0
-        pat = re.compile("|".join(map(re.escape, values)))
-        return [pat.sub("<PRIVATE>", t) for t in texts], 0
-
     planted = b"\x00" * 8 + values[-1].encode()  # an adapter that leaks one canary as text
-    res = run_probe(model, tok, cfg.privacy, mirror, cfg.data, int(cfg.seed), adapter=planted,
-                    protector=protector)
+    res = run_probe(model, tok, cfg.privacy, mirror, cfg.data, int(cfg.seed), adapter=planted)
     modes = ["none", "redact", "rephrase"]
-    assert calls == [m for m in modes for _ in (0, 1)]  # canaries, then MMLU stems
     assert [(r["payload"], r["protection"]) for r in res.rows] == [(p, m) for m in modes for p in PAYLOADS]
     keys = {"payload", "protection", "canary_hits", "attacker_token_acc", "attacker_exact_match", "task_acc"}
     rows = {(r["payload"], r["protection"]): r for r in res.rows}
+    layers = {(x["payload"], x["layer"], x["protection"]): x for x in res.layers}
     n = len(prompts)
     for r in res.rows:
         assert keys <= set(r)
-        assert r["task_acc"] is not None and 0.0 <= r["task_acc"] <= 1.0
         assert r["task_acc_n"] == int(cfg.privacy.probe.task_n)
         assert r["task_acc_ci95_low"] <= r["task_acc"] <= r["task_acc_ci95_high"]
         if r["payload"] == "adapter":
             assert (r["payloads"], r["bytes"]) == (1, len(planted))
-            assert r["canary_hits"] == sum(v in values[-1] for v in values) >= 1
-            assert r["attacker_token_acc"] is None
+            assert r["canary_hits"] == 1 and r["attacker_token_acc"] is None
         else:
-            assert r["payloads"] == n and r["bytes"] > 0
-            assert 0.0 <= r["attacker_token_acc"] <= 1.0 and r["attacker_token_acc_n"] == n
+            assert r["payloads"] == n and r["bytes"] > 0 and r["attacker_token_acc_n"] == n
             assert r["attacker_token_acc_ci95_low"] <= r["attacker_token_acc"] <= r["attacker_token_acc_ci95_high"]
-    # no protection: the cloud reads the prompt ids themselves, canaries included
+    # unprotected: the cloud reads the prompt ids, the layer-0 KV attacker recovers most tokens
     none_draft = rows[("draft_tokens", "none")]
     assert none_draft["attacker_token_acc"] == 1.0 and none_draft["attacker_exact_match"] == 1.0
     as_text = sum(v in p.text for p in prompts for v in values)
     assert none_draft["canary_hits"] > as_text >= n  # the prompt text and its OPEN ids
-    # redaction: nothing found in any payload, and the cloud no longer reads the raw prompt
+    kv_none, kv_red = layers[("kv", 0, "none")]["attacker_token_acc"], layers[("kv", 0, "redact")]["attacker_token_acc"]
+    # measured (seed 0, 48 public prompts): 1.000 unprotected, 0.613 redacted
+    assert kv_none >= 0.95, kv_none
+    assert kv_red <= kv_none - 0.2, (kv_none, kv_red)
+    assert rows[("draft_tokens", "redact")]["attacker_token_acc"] <= 0.8
+    # redaction with the known identities: nothing found in any payload, of any kind
     for p in ("kv", "hidden", "logits_topk", "draft_tokens"):
         assert rows[(p, "redact")]["canary_hits"] == 0
-    assert rows[("draft_tokens", "redact")]["attacker_token_acc"] < 1.0
-    # an identity protection changes nothing: same payloads, same attacks, same hits
-    for p in PAYLOADS:
-        a, b = rows[(p, "none")], rows[(p, "rephrase")]
-        assert (a["attacker_token_acc"], a["canary_hits"], a["bytes"]) == \
-               (b["attacker_token_acc"], b["canary_hits"], b["bytes"])
-    assert rows[("kv", "rephrase")]["attacker_token_acc"] == rows[("kv", "none")]["attacker_token_acc"]
+    assert set(res.hits_by_kind["redact"]) == {"adapter"}  # the planted adapter only
+    # rephrased by random weights: scored against the raw prompt, almost nothing is left
+    # (measured 0.007), and no canary
+    assert res.rephrase_fallbacks == {"none": 0, "redact": 0, "rephrase": 0}
+    for p in ("kv", "hidden", "draft_tokens"):
+        assert rows[(p, "rephrase")]["attacker_token_acc"] <= 0.1
+        assert rows[(p, "rephrase")]["canary_hits"] == 0
     # per-layer figures: kv and hidden at layers 0 and 1 (of 2), logits and drafts once
     assert len(res.layers) == 6 * len(modes)
     assert {(x["payload"], x["layer"]) for x in res.layers} == {
         ("kv", 0), ("kv", 1), ("hidden", 0), ("hidden", 1), ("logits_topk", -1), ("draft_tokens", -1)}
-    assert res.rephrase_fallbacks == {m: 0 for m in modes} and res.ner_recall is None
     assert set(res.seconds) == {"attack_train", *modes, "total"}
+
+
+def test_probe_without_known_identities(tiny, mirror):
+    """NER alone (``known_identities=false``): structured canaries still give 0 hits in every
+    payload, names leak, and each value NER missed is a hit in the text the cloud is sent."""
+    from edgefuse.config import compose
+    from edgefuse.privacy.canaries import STRUCTURED_KINDS
+
+    model, tok = tiny
+    cfg = compose("tiny", f"data.mirror={mirror} privacy.probe.modes=[none,redact] privacy.probe.canaries=24 "
+                          "privacy.redact.known_identities=false privacy.probe.task_n=0 privacy.probe.attack_layers=[0]")
+    res = run_probe(model, tok, cfg.privacy, mirror, cfg.data, int(cfg.seed))
+    by_kind = res.ner_recall_by_kind
+    structured = [k for k in by_kind if k in STRUCTURED_KINDS]
+    names = [k for k in by_kind if k in NAME_KINDS]
+    assert sum(by_kind[k]["values"] for k in structured) >= 8 and sum(by_kind[k]["values"] for k in names) >= 10
+    hits = res.hits_by_kind["redact"]
+    for payload, kinds in hits.items():
+        assert not set(kinds) & set(STRUCTURED_KINDS), (payload, kinds)
+    assert all(by_kind[k]["redacted"] == by_kind[k]["values"] for k in structured), by_kind
+    # every value NER missed is found in the protected text (as a whole word), and only those
+    missed = {k: v["values"] - v["redacted"] for k, v in by_kind.items() if v["values"] > v["redacted"]}
+    assert hits["prompt_text"] == missed
+    hit_names, n_names = sum(by_kind[k]["redacted"] for k in names), sum(by_kind[k]["values"] for k in names)
+    # measured (seed 0, 24 canary prompts): names 14/24 = 0.58 redacted (last names alone 6/11);
+    # structured 14/14; a street without city or postcode ("Brixtonlaan 175") 1/2
+    assert 0.4 <= hit_names / n_names < 1.0, by_kind
+    assert res.ner_recall == pytest.approx(sum(v["redacted"] for v in by_kind.values())
+                                           / sum(v["values"] for v in by_kind.values()))
+    assert res.hits_by_kind["none"]["prompt_text"] == {k: v["values"] for k, v in by_kind.items()}
 
 
 # ------------------------------------------------------------------------------ protected queries
@@ -673,7 +739,9 @@ def test_audit_tally_sums_every_reply():
 
     msg = message(RecordDict({"config": ConfigRecord({"cfg": "{}"})}))
     s1 = {"draft_tokens": {"payloads": 3, "bytes": 30, "canary_hits": 0, "hit_kinds": {}}}
-    s2 = {"draft_tokens": {"payloads": 2, "bytes": 20, "canary_hits": 1, "hit_kinds": {"as_tokens": 1}},
+    hit = {"message_type": "query.decode", "canary_kind": "email", "how": "as_tokens", "field": "", "n": 1}
+    s2 = {"draft_tokens": {"payloads": 2, "bytes": 20, "canary_hits": 1, "hit_kinds": {"as_tokens": 1},
+                           "hits": [hit]},
           "adapter": {"payloads": 1, "bytes": 1000, "canary_hits": 0, "hit_kinds": {}}}
     grid = FakeGrid([
         [audited_reply(msg, s1), audited_reply(msg, None), Message(Error(code=1, reason="x"), reply_to=msg)],
@@ -684,12 +752,14 @@ def test_audit_tally_sums_every_reply():
     assert tally.run_id == 42  # everything else is the grid's
     replies = tally.send_and_receive([msg], timeout=5.0)
     assert len(replies) == 3 and grid.sent[0][1] == 5.0
-    assert tally.totals == {"draft_tokens": {"payloads": 3, "bytes": 30, "canary_hits": 0, "hit_kinds": {}}}
+    assert tally.totals == {"draft_tokens": {"payloads": 3, "bytes": 30, "canary_hits": 0, "hit_kinds": {},
+                                             "hits": []}}
     tally.send_and_receive([msg])
     tally.send_and_receive([msg])
     assert tally.totals == {
-        "draft_tokens": {"payloads": 5, "bytes": 50, "canary_hits": 1, "hit_kinds": {"as_tokens": 1}},
-        "adapter": {"payloads": 1, "bytes": 1000, "canary_hits": 0, "hit_kinds": {}},
+        "draft_tokens": {"payloads": 5, "bytes": 50, "canary_hits": 1, "hit_kinds": {"as_tokens": 1},
+                         "hits": [hit]},
+        "adapter": {"payloads": 1, "bytes": 1000, "canary_hits": 0, "hit_kinds": {}, "hits": []},
     }
 
 
@@ -714,6 +784,93 @@ def test_audit_matches_text_case_insensitively_and_through_json_escapes():
     aud.watch(["Björn Ødegård", "Keira Forster", "abc"])  # "abc" is too short to watch
     assert aud.scan(b"call KEIRA FORSTER now") == {"as_text": 1}
     assert aud.scan(b"abcdef") == {}
-    reply = RecordDict({"r": ConfigRecord({"records": _json.dumps([{"x": "Björn Ødegård"}])})})
+    reply = RecordDict({"r": ConfigRecord({"records": _json.dumps([{"x": "Björn Ødegård"}]),
+                                           "notes": _json.dumps({"t": "line one\nKeira Forster"})})})
     assert "\\u00d8" in str(reply["r"]["records"])  # json.dumps escaped the name
-    assert [aud.scan(b) for _, b in A.record_bytes(reply)] == [{"as_text": 1}]
+    assert "\\nKeira" in str(reply["r"]["notes"])  # ...and the newline, gluing an "n" to the name
+    assert [aud.scan(b) for _, _, b in A.record_bytes(reply)] == [{"as_text": 1}, {"as_text": 1}]
+
+
+# ------------------------------------------------- where hits come from, coincidences, known misses
+
+
+def test_a_public_word_that_contains_a_canary_is_not_a_hit_the_canary_itself_is(mirror, fresh_audit):
+    """The main job's one live metadata hit: the run's 16 canaries (seed 0) include the first
+    name "Hanna", and the decoding reply's records carry the public GSM8K question
+    gsm8k/test/586 ("Hannah needs to drink ...") as reference and answer text."""
+    from edgefuse.eval.queries import load_gsm8k
+
+    values = A.canary_values(mirror, 16, 0)
+    assert values["Hanna"] == "first_name"
+    (q,) = [q for q in load_gsm8k(mirror, 4, 0) if q.qid == "gsm8k/test/586"]
+    assert q.instruction.startswith("Hannah needs")
+    fresh_audit.watch(list(values), list(values.values()))
+
+    def decoding_reply(text: str) -> RecordDict:  # the shape of handlers.decoding.decode's reply
+        rec = {"qid": q.qid, "kind": "gsm8k", "mode": "cloud", "device": 0, "reference": q.reference,
+               "tokens": [1, 2, 3], "text": text}
+        return RecordDict({"decoding": ConfigRecord({"records": json.dumps([rec]), "protection": "both"})})
+
+    def reply(content: RecordDict) -> dict:
+        msg = message(RecordDict({"config": ConfigRecord({"cfg": "{}"})}), "query.decode")
+        out = A.flower_mod(msg, None, lambda m, c: Message(content, reply_to=m))
+        return json.loads(str(out.content["privacy_audit"]["stats"]))["metadata"]
+
+    clean = reply(decoding_reply(q.instruction + " Hannah drinks 800 ml."))
+    assert (clean["canary_hits"], clean["hits"]) == (0, [])
+    leak = reply(decoding_reply("Ask Hanna, she knows."))  # the canary as a word: still caught
+    assert leak["canary_hits"] == 1
+    assert leak["hits"] == [{"message_type": "query.decode", "canary_kind": "first_name", "how": "as_text",
+                             "field": "decoding.records", "n": 1}]
+    # digits need a boundary too: a date canary inside a longer number is not that date
+    dob = [v for v, k in values.items() if k == "date_of_birth"][0]
+    assert fresh_audit.scan(f"id 1{dob}0".encode()) == {}
+    assert fresh_audit.scan(f"born {dob}.".encode()) == {"as_text": 1}
+
+
+def test_a_recorded_hit_names_where_it_was_never_the_value(mirror, tiny, fresh_audit):
+    from edgefuse.cloud import protocol as P
+
+    _, tok = tiny
+    cfg = OmegaConf.create({"seed": 0, "data": {"mirror": str(mirror)},
+                            "privacy": {"enabled": True, "probe": {"canaries": 6}}})
+    values = A.watch_canaries(cfg, tok)
+    kinds = A.canary_values(mirror, 6, 0)
+    assert values == list(kinds) and kinds["Forster"] == "last_name"
+
+    def handler(msg, context):  # a cloud OPEN sent while handling, and a metric naming a surname
+        A.outbound("draft_tokens", P.encode(P.Open(ids_of(tok, "Follow up with Keira Forster."), "fp")))
+        return Message(RecordDict({"metrics": ConfigRecord({"model": "smollm2-135m", "who": "Forster",
+                                                            "seconds": 1.5})}), reply_to=msg)
+
+    out = A.flower_mod(message(RecordDict({"config": ConfigRecord({"cfg": "{}"})}), "query.decode"),
+                       None, handler)
+    text = str(out.content["privacy_audit"]["stats"])
+    stats = json.loads(text)
+    assert stats["metadata"]["hits"] == [{"message_type": "query.decode", "canary_kind": "last_name",
+                                          "how": "as_text", "field": "metrics.who", "n": 1}]
+    assert {(h["canary_kind"], h["how"], h["field"]) for h in stats["draft_tokens"]["hits"]} == {
+        ("name", "as_tokens", ""), ("last_name", "as_tokens", "")}
+    assert stats["draft_tokens"]["canary_hits"] == 2
+    assert not any(v.lower() in text.lower() for v in values)  # the audit record holds no canary
+
+
+def test_reencoded_canaries_are_known_misses(tiny, fresh_audit):
+    """Documents a limit (docs/privacy.md): the scan is exact matching of the UTF-8 text and
+    the device tokenizer's ids, so the same canary base64- or UTF-16-encoded is NOT found.
+    If this test fails, the audit learned an encoding: update the docs, then this test."""
+    import base64
+
+    _, tok = tiny
+    fresh_audit.watch(["Keira Forster"], ["name"])
+    fresh_audit.use_tokenizer(tok)
+    plain = b"Follow up with Keira Forster."
+    assert fresh_audit.scan(plain) == {"as_text": 1}  # the same text as it is: caught
+    misses = [base64.b64encode(plain), base64.b64encode(b"x" + plain),  # every base64 alignment
+              base64.b64encode(b"xy" + plain), plain.decode().encode("utf-16-le"),
+              plain.decode().encode("utf-16-be"), plain.decode().encode("utf-16"),
+              plain.decode().encode("utf-32-le")]
+    for data in misses:
+        assert fresh_audit.scan(data) == {}, data[:20]
+    assert fresh_audit.outbound("metadata", misses[0]) == 0
+    assert fresh_audit.snapshot()["metadata"]["canary_hits"] == 0

@@ -25,4 +25,5 @@ def probe(msg: Message, context: Context, client) -> RecordDict:
     return RecordDict({"privacy": ConfigRecord({
         "rows": json.dumps(res.rows), "layers": json.dumps(res.layers),
         "seconds": json.dumps(res.seconds), "fallbacks": json.dumps(res.rephrase_fallbacks),
-        "ner_recall": json.dumps(res.ner_recall)})})
+        "ner_recall": json.dumps(res.ner_recall), "ner_recall_by_kind": json.dumps(res.ner_recall_by_kind),
+        "hits_by_kind": json.dumps(res.hits_by_kind)})})

@@ -95,6 +95,8 @@ class Privacy(Phase):
                    "rephrase_fallbacks": reply.json("privacy", "fallbacks"),
                    "canary_hits_with_redaction": hits_on,
                    "ner_recall": reply.json("privacy", "ner_recall"),
+                   **{k: reply.json("privacy", k) if k in reply["privacy"] else None
+                      for k in ("ner_recall_by_kind", "hits_by_kind")},  # absent from older clients
                    "live_canary_hits": sum(v.get("canary_hits", 0) for v in audit.values())}
         log(INFO, "privacy: %d canary hits with redaction on (probe), %d in the run's live traffic",
             hits_on, summary["live_canary_hits"])
