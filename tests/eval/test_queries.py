@@ -185,18 +185,14 @@ REAL_LETTER_IDS = {"smollm2-135m": [49, 50, 51, 52], "qwen2.5-coder-0.5b": [32, 
                    "gemma3-270m": [236776, 236799, 236780, 236796]}
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("name", sorted(REAL_LETTER_IDS))
 def test_choice_token_ids_real_tokenizers(name):
     """Bare-letter ids after ``<|im_start|>assistant\\n`` (SmolLM2, Qwen) or ``### Response:\\n``
-    (Gemma); tokenizers only, read from the model cache when fetched."""
-    from transformers import AutoTokenizer
+    (Gemma); tokenizers only, from the model cache (fetched first if missing)."""
+    from edgefuse.models import load_tokenizer
 
-    from edgefuse.models import get_spec, is_fetched, model_dir
-
-    spec = get_spec(name)
-    if not is_fetched(spec):
-        pytest.skip(f"{name} not fetched (edgefuse models fetch {name})")
-    tok = AutoTokenizer.from_pretrained(model_dir(spec))
+    tok = load_tokenizer(name)
     assert choice_token_ids(tok) == REAL_LETTER_IDS[name]
 
 
