@@ -195,6 +195,7 @@ def hydra_main(cfg: DictConfig) -> None:
     """One Hydra job = one federated run, in the job's own output folder."""
     hc = HydraConfig.get()
     out = Path(hc.runtime.output_dir).resolve()
+    t0 = time.monotonic()
     try:
         task = list(hc.overrides.task)
         if any(hub_for_null_mirror(o) != o for o in task):  # data.mirror=null on purpose: the hub
@@ -218,4 +219,4 @@ def hydra_main(cfg: DictConfig) -> None:
             shutil.rmtree(out, ignore_errors=True)
         print(f"edgefuse: error: {one_line(e)}", file=sys.stderr, flush=True)
         sys.exit(2)
-    print(f"[edgefuse] done: {out}", flush=True)
+    print(f"[edgefuse] done in {(time.monotonic() - t0) / 60:.1f} min: {out}", flush=True)
