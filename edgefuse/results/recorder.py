@@ -75,6 +75,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -104,6 +105,7 @@ TEXT_FIELDS = frozenset({
     "generation", "tokens", "canary", "original", "redacted", "rephrased",
 })
 _TAG_KEY = os.urandom(32)  # per process: tags compare within a run, cannot be dictionary-looked-up
+_TAG = re.compile(r"<(text \d+ chars|data \d+ items) hmac:[0-9a-f]{8}>")
 
 
 def scrub_text(value: Any, debug_text: bool = False) -> Any:
@@ -113,9 +115,12 @@ def scrub_text(value: Any, debug_text: bool = False) -> Any:
     HMAC-SHA256 under a random per-process key, so equal texts of one run get equal tags but
     a tag cannot be matched by hashing guesses); a list/tuple/dict (e.g. token ids) becomes
     ``<data N items hmac:xxxxxxxx>`` over its JSON. ``None``, numbers and booleans (an
-    MMLU answer index) are returned unchanged.
+    MMLU answer index), and a string that is such a tag already, are returned unchanged
+    (scrubbing twice changes nothing: a resumed run re-saves the rows it restored).
     """
     if debug_text or value is None or isinstance(value, (bool, int, float)):
+        return value
+    if isinstance(value, str) and _TAG.fullmatch(value):  # scrubbed already (a resumed run's rows)
         return value
     if isinstance(value, str):
         kind, size, data = "text", f"{len(value)} chars", value
@@ -297,6 +302,22 @@ class RunRecorder:
                 rounds[i] = rnd
                 return
         rounds.append(rnd)
+
+    def resume(self, results: Mapping) -> None:
+        """Continue a run from the results it saved (a checkpoint's): its rounds, sections
+        and summary come back; the config stays this recorder's, the status goes back to
+        ``running`` and the error to None.
+
+        Raises:
+            ValueError: ``results`` has no ``rounds`` list.
+        """
+        if not isinstance(results.get("rounds"), list):
+            raise ValueError("results to resume from need a 'rounds' list")
+        data = copy.deepcopy(dict(results))
+        data["config"] = self.results["config"]
+        data["summary"] = {**dict(data.get("summary") or {}), "out_dir": str(self.out_dir)}
+        data["status"], data["error"] = "running", None
+        self.results = data
 
     def update(self, sections: Mapping[str, Any]) -> None:
         """Set top-level results keys from a phase's output, e.g.
