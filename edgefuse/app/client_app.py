@@ -4,7 +4,8 @@ Message types (the ServerApp sends the resolved config in every message, and in 
 but ``query.info`` the adapter group it is addressed to: ``adapter_model`` /
 ``adapter_rank``, checked against this node's federation entry before anything is loaded or
 applied, :func:`edgefuse.app.messages.check_group`; a mismatch is an error reply):
-- ``query.info``: reply with this node's partition-id, model and LoRA rank (no model load).
+- ``query.info``: reply with this node's partition-id, model, LoRA rank and tokenizer
+  fingerprint (the tokenizer is loaded, not the model).
 - ``train``: load the round's adapter for this client (none in round 1: a seeded init),
   train ``training.steps_per_round`` steps, reply with the packed adapter + metrics.
 - ``evaluate``: load the group's global adapter, reply with held-out loss/perplexity next
@@ -31,6 +32,7 @@ from edgefuse.app.handlers import c2c, decoding as cloud_decode, privacy
 from edgefuse.app.handlers.local import LocalClient
 from edgefuse.app import messages as M
 from edgefuse.app.messages import check_group
+from edgefuse.cloud.target import tokenizer_fingerprint
 from edgefuse.config import client_entry, from_json
 from edgefuse.privacy.audit import flower_mod, watch_canaries
 from edgefuse.lora import (MalformedUpdateError, adapter_nbytes, check_received_adapter,
@@ -90,12 +92,14 @@ def _load_adapter(client: LocalClient, msg: Message) -> int:
 
 @app.query(M.INFO)
 def info(msg: Message, context: Context) -> Message:
-    """Tell the server who this node is: partition-id, model, LoRA rank, and the X25519
-    public key peers seal Cache-to-Cache payloads with."""
-    entry = LocalClient.entry_for(str(msg.content["config"]["cfg"]),
-                                  int(context.node_config["partition-id"]))
+    """Tell the server who this node is: partition-id, model, LoRA rank, its tokenizer's
+    fingerprint (clients of one model must agree) and the X25519 public key peers seal
+    Cache-to-Cache payloads with."""
+    cfg = from_json(str(msg.content["config"]["cfg"]))
+    entry = client_entry(cfg, int(context.node_config["partition-id"]))
     reply = ConfigRecord({"partition_id": int(context.node_config["partition-id"]),
                           "model": str(entry.model), "lora_rank": int(entry.lora_rank),
+                          "tokenizer": tokenizer_fingerprint(c2c.tokenizer(cfg, str(entry.model))),
                           "public_key": c2c.keypair(context).public_bytes()})
     return Message(RecordDict({"info": reply}), reply_to=msg)
 

@@ -29,6 +29,12 @@ class NoClientSucceeded(RuntimeError):
     """A round in which no client returned a usable update: the run cannot go on."""
 
 
+class TokenizerMismatchError(RuntimeError):
+    """Two clients of one base model report different tokenizers: the run cannot go on
+    (C2C aligns a peer's tokens with that model's tokenizer, and the server trains fusers on
+    its own copy of the model, so token ids must mean the same strings on every client)."""
+
+
 @dataclass
 class NodeInfo:
     node_id: int
@@ -36,6 +42,7 @@ class NodeInfo:
     model: str
     lora_rank: int
     public_key: bytes = b""
+    tokenizer: str = ""  # fingerprint of the vocabulary (edgefuse.cloud.target.tokenizer_fingerprint)
 
 
 @dataclass
@@ -86,7 +93,13 @@ class GroupedLoRA:
         so a node is recorded only when its partition id is in range and not claimed by
         another node, its model and LoRA rank are that entry's, and its public key is an
         X25519 key; anything else (a malformed reply included) is refused, and the node is
-        asked again next round."""
+        asked again next round.
+
+        Raises:
+            TokenizerMismatchError: a node reports a tokenizer fingerprint (``tokenizer``)
+                other than the one an already recorded node of the same model reported; in
+                round 1 this stops the run before any training.
+        """
         errors = []
         clients = self.cfg.federation.clients
         for msg in replies:
@@ -98,6 +111,7 @@ class GroupedLoRA:
                 rec = msg.content["info"]
                 pid, model, rank = int(rec["partition_id"]), str(rec["model"]), int(rec["lora_rank"])
                 key = bytes(rec["public_key"]) if "public_key" in rec else b""
+                tok = str(rec["tokenizer"]) if "tokenizer" in rec else ""
             except (KeyError, TypeError, ValueError) as e:
                 errors.append(f"node {node_id}: malformed query.info reply ({type(e).__name__}: {e})")
                 continue
@@ -112,10 +126,22 @@ class GroupedLoRA:
             elif key and len(key) != PUBLIC_KEY_BYTES:
                 reason = f"public key of {len(key)} bytes (X25519 keys are {PUBLIC_KEY_BYTES})"
             else:
-                self.nodes[node_id] = NodeInfo(node_id, pid, model, rank, key)
+                self._check_tokenizer(node_id, pid, model, tok)
+                self.nodes[node_id] = NodeInfo(node_id, pid, model, rank, key, tok)
                 continue
             errors.append(f"node {node_id}: query.info refused: {reason}")
         return errors
+
+    def _check_tokenizer(self, node_id: int, pid: int, model: str, tok: str) -> None:
+        """Raise :class:`TokenizerMismatchError` if a recorded node of ``model`` reported
+        another tokenizer fingerprint than ``tok`` (nodes that report none are not compared)."""
+        for other in self.nodes.values():
+            if other.model == model and tok and other.tokenizer and other.tokenizer != tok:
+                raise TokenizerMismatchError(
+                    f"partition {pid} (node {node_id}) runs {model} with tokenizer {tok}, "
+                    f"partition {other.partition_id} (node {other.node_id}) with tokenizer "
+                    f"{other.tokenizer}: clients of one base model must have identical "
+                    "tokenizers (check each device's model files); the run stops here")
 
     def client_state(self, node: NodeInfo) -> dict | None:
         """The adapter this client starts the round from (None before the group's first
