@@ -34,6 +34,7 @@ import torch
 A_SUFFIX = ".lora_A.weight"
 B_SUFFIX = ".lora_B.weight"
 METHODS = ("flexlora",)
+EQUAL_RANK = ("flexlora", "fedavg")  # training.equal_rank
 
 
 class MalformedUpdateError(ValueError):
@@ -132,17 +133,33 @@ def update_norm(state: dict[str, np.ndarray], rank: int, alpha: float) -> float:
         MalformedUpdateError: a key that is not a LoRA A/B weight, or a module with only
             one of A and B.
     """
-    module_shapes(state)  # checks keys and A/B pairing
-    scale = float(alpha) / float(rank)
+    return cross_norm(state, state, rank, alpha)
+
+
+def cross_norm(b_state: dict[str, np.ndarray], a_state: dict[str, np.ndarray], rank: int,
+               alpha: float) -> float:
+    """Frobenius norm of the update built from one adapter's ``B`` and another's ``A``::
+
+        sqrt(Σ_m ||s · B_m^(b_state) A_m^(a_state)||²_F),   s = alpha / rank
+
+    the quantity FedAvg of ``A`` and ``B`` separately mixes: the aggregate is
+    ``s · avg(B) · avg(A)``, so a client's ``B`` meets the others' ``A``. Both states must
+    have the same modules and rank.
+
+    Raises:
+        MalformedUpdateError: the module sets differ or a shape does not match.
+    """
+    modules = sorted(module_shapes(a_state))
+    if sorted(module_shapes(b_state)) != modules:
+        raise MalformedUpdateError("cross norm of adapters with different module sets")
     total = 0.0
-    for key in state:
-        module, part = split_key(key)
-        if part != "lora_A":
-            continue
-        a = np.asarray(state[key], dtype=np.float64)
-        b = np.asarray(state[module + B_SUFFIX], dtype=np.float64)
+    for module in modules:
+        a = np.asarray(a_state[module + A_SUFFIX], dtype=np.float64)
+        b = np.asarray(b_state[module + B_SUFFIX], dtype=np.float64)
+        if a.shape[0] != b.shape[1]:
+            raise MalformedUpdateError(f"{module}: rank {b.shape[1]} of B and {a.shape[0]} of A differ")
         total += float(np.sum((b.T @ b) * (a @ a.T)))
-    return scale * math.sqrt(max(total, 0.0))
+    return float(alpha) / float(rank) * math.sqrt(max(total, 0.0))
 
 
 def validate_update(
@@ -150,6 +167,7 @@ def validate_update(
     expected_model: str,
     reference_shapes: dict[str, tuple[int, int]] | None,
     max_norm: float | None = None,
+    reference: dict[str, np.ndarray] | None = None,
 ) -> None:
     """Check one client update before it is aggregated (the server), or one adapter from the
     server before it is applied (the client, :func:`edgefuse.lora.check_received_adapter`).
@@ -161,13 +179,19 @@ def validate_update(
             :func:`module_shapes` on the group's reference state; ``None`` skips that check.
         max_norm: bound on :func:`update_norm` (``privacy.max_update_norm``); ``None`` = no
             bound. A malicious client cannot swamp the aggregate with one huge update.
+        reference: the adapter the server sent this client for the round (same rank and
+            alpha), or ``None`` (round 1: the client started from its seeded init). With
+            ``max_norm``, the client's factors are also bounded against it:
+            :func:`cross_norm` of (its ``B``, the reference ``A``) and of (the reference
+            ``B``, its ``A``) must be <= ``max_norm``, so ``A = 0`` with a huge ``B`` (norm
+            0 on its own, huge once averaged with honest ``A``) is refused.
 
     Raises:
         MalformedUpdateError: wrong model group, ``num_examples <= 0``, rank or alpha not
             positive, empty state, a non-float or non-2-D array, NaN or Inf, ``lora_A.shape[0]``
             or ``lora_B.shape[1]`` different from ``rank``, a module with A but no B, a
             module set / module shape that differs from ``reference_shapes``, or an update
-            norm above ``max_norm``.
+            norm (or a cross norm with ``reference``) above ``max_norm``.
     """
     pid = update.partition_id
     if update.model != expected_model:
@@ -203,6 +227,14 @@ def validate_update(
             raise MalformedUpdateError(
                 f"client {pid}: update norm ||ΔW||_F = {norm:.4g} exceeds the bound "
                 f"privacy.max_update_norm = {float(max_norm):g}")
+        if reference is not None:
+            for what, b, a in (("its B with the round's A", update.state, reference),
+                               ("the round's B with its A", reference, update.state)):
+                cross = cross_norm(b, a, update.rank, update.alpha)
+                if not cross <= float(max_norm):
+                    raise MalformedUpdateError(
+                        f"client {pid}: the update's factors are out of scale: {what} gives "
+                        f"||ΔW||_F = {cross:.4g} > privacy.max_update_norm = {float(max_norm):g}")
     if reference_shapes is None:
         return
     missing = sorted(set(reference_shapes) - set(shapes))
@@ -339,20 +371,48 @@ def flexlora(
     return states, info
 
 
-def aggregate_group(updates: list[ClientUpdate], method: str = "flexlora") -> GroupResult:
+def clip_state(state: dict[str, np.ndarray], rank: int, alpha: float,
+               max_norm: float) -> tuple[dict[str, np.ndarray], float]:
+    """``state`` with every ``B`` scaled so that :func:`update_norm` is at most ``max_norm``
+    (server-side norm clipping of the aggregate; ``A`` is kept, so it stays trainable).
+
+    Returns:
+        ``(state, norm before)``: the same dict when it was within the bound, else a new one.
+    """
+    norm = update_norm(state, rank, alpha)
+    if norm <= max_norm:
+        return state, norm
+    factor = float(max_norm) / norm
+    return ({k: (v * factor).astype(np.float32) if k.endswith(B_SUFFIX) else v
+             for k, v in state.items()}, norm)
+
+
+def aggregate_group(updates: list[ClientUpdate], method: str = "flexlora",
+                    max_norm: float | None = None, equal_rank: str = "fedavg") -> GroupResult:
     """Aggregate the validated updates of one base-model group.
 
-    Equal ranks and alphas: FedAvg of ``A`` and ``B`` separately, weighted by ``num_examples``
-    (as FlowerTune does); every client gets that state. Different ranks or alphas: ``method``
-    (``"flexlora"``, see :func:`flexlora`); each client gets the state at its own rank and
-    alpha, and the global state is at the largest ``(rank, alpha)``.
+    Equal ranks and alphas with ``equal_rank="fedavg"``: FedAvg of ``A`` and ``B``
+    separately, weighted by ``num_examples`` (as FlowerTune does); every client gets that
+    state. Different ranks or alphas, or ``equal_rank="flexlora"``: ``method``
+    (``"flexlora"``, see :func:`flexlora`: the example-weighted mean of the clients' ``ΔW``,
+    truncated to each rank); each client gets the state at its own rank and alpha, and the
+    global state is at the largest ``(rank, alpha)``.
+
+    FlexLoRA averages what the update-norm bound bounds (``ΔW``, a convex combination, so
+    its norm is at most the largest client's); FedAvg of factors does not (``A = 0`` with a
+    huge ``B`` has ``ΔW = 0`` yet meets the others' ``A`` in the average). With ``max_norm``
+    the bound also holds for what comes out: an aggregated state whose :func:`update_norm`
+    exceeds it is clipped to it (:func:`clip_state`), and ``info["clipped"]`` maps each
+    clipped rank to its norm before clipping.
 
     Raises:
         ValueError: no updates, updates from different model groups, repeated partition ids,
-            or an unknown ``method`` (the message lists the valid ones).
+            or an unknown ``method`` / ``equal_rank`` (the message lists the valid ones).
     """
     if method not in METHODS:
         raise ValueError(f"unknown aggregation method {method!r}; valid: {', '.join(METHODS)}")
+    if equal_rank not in EQUAL_RANK:
+        raise ValueError(f"unknown equal-rank aggregation {equal_rank!r}; valid: {', '.join(EQUAL_RANK)}")
     if not updates:
         raise ValueError("aggregate_group needs at least one update")
     if len({u.model for u in updates}) > 1:
@@ -362,13 +422,22 @@ def aggregate_group(updates: list[ClientUpdate], method: str = "flexlora") -> Gr
         raise ValueError(f"repeated partition ids: {pids}")
     configs = sorted({(u.rank, float(u.alpha)) for u in updates})
     global_rank, global_alpha = configs[-1]
-    if len(configs) == 1:
+    if len(configs) == 1 and equal_rank == "fedavg":
         state = fedavg([u.state for u in updates], [u.num_examples for u in updates])
+        info: dict = {"method": "fedavg"}
+        if max_norm is not None:
+            state, norm = clip_state(state, global_rank, global_alpha, float(max_norm))
+            if norm > max_norm:
+                info["clipped"] = {int(global_rank): norm}
         # One shared dict for every client; callers must not mutate it.
         return GroupResult(per_client={p: state for p in pids}, global_state=state,
-                           global_rank=global_rank, global_alpha=global_alpha,
-                           info={"method": "fedavg"})
+                           global_rank=global_rank, global_alpha=global_alpha, info=info)
     states, info = flexlora(updates, [r for r, _ in configs], [a for _, a in configs])
+    if max_norm is not None:  # FlexLoRA averages ΔW (convex), this only guards the rounding
+        for i, (r, a) in enumerate(configs):
+            states[i], norm = clip_state(states[i], r, a, float(max_norm))
+            if norm > max_norm:
+                info.setdefault("clipped", {})[int(r)] = norm
     by_config = dict(zip(configs, states))
     return GroupResult(
         per_client={u.partition_id: by_config[(u.rank, float(u.alpha))] for u in updates},

@@ -211,7 +211,8 @@ class GroupedLoRA:
                            train_seconds=float(metrics.get("train_seconds", 0.0)),
                            load_seconds=float(metrics.get("load_seconds", 0.0)))
                 validate_update(upd, node.model, self.shapes.get(node.model),
-                                max_norm=self.max_update_norm)
+                                max_norm=self.max_update_norm,
+                                reference=self.client_state(node))  # what it was sent this round
             except (MalformedUpdateError, KeyError, TypeError, ValueError) as e:
                 row.update(status="rejected", reason=str(e))
                 log(WARNING, "round %d: rejected the update of partition %d: %s", round_idx,
@@ -227,11 +228,14 @@ class GroupedLoRA:
             ups.sort(key=lambda u: u.partition_id)  # reply order must not change the float sums
             t0 = time.perf_counter()
             self.shapes.setdefault(model, module_shapes(ups[0].state))
-            result = aggregate_group(ups, method=str(self.cfg.training.hetero_rank))
+            result = aggregate_group(ups, method=str(self.cfg.training.hetero_rank),
+                                     max_norm=self.max_update_norm,
+                                     equal_rank=str(self.cfg.training.get("equal_rank", "fedavg")))
             self.groups[model] = result
             group_rows.append({"model": model, "clients": sorted(u.partition_id for u in ups),
                                "method": result.info.get("method"),
                                "truncation_error": result.info.get("truncation_error"),
+                               "clipped": result.info.get("clipped"),
                                "aggregate_seconds": time.perf_counter() - t0,
                                "global_rank": result.global_rank, "adapter_dir": None})
         return sorted(rows.values(), key=lambda r: r["partition_id"]), group_rows

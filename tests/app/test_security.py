@@ -436,6 +436,68 @@ def test_oversized_and_nan_updates_are_rejected_the_rest_aggregated(cfg):
     assert all(r["status"] == "ok" for r in rows)
 
 
+def _factor_attack_round(strategy, r, shift):
+    """Two honest replies (partitions 0, 1) and the attacker (partition 2: A = 0, huge B)."""
+    honest = [reply(10, 0, "tiny-llama", 1, one_module_state([[0.1 + shift, 0.2]], [[0.1], [0.0]]), n=1),
+              reply(11, 1, "tiny-llama", 1, one_module_state([[0.5, 0.6 + shift]], [[0.5], [0.4]]), n=3)]
+    attack = reply(12, 2, "tiny-llama", 1, one_module_state([[0.0, 0.0]], [[4e4], [4e4]]), n=1)
+    return honest, attack
+
+
+def _delta(g):
+    st = g.global_state
+    return g.global_alpha / g.global_rank * st[f"{KEY}.lora_B.weight"].astype(np.float64) @ st[f"{KEY}.lora_A.weight"]
+
+
+def test_with_flexlora_at_equal_ranks_a_zero_huge_b_update_only_dilutes():
+    """The factor attack on FedAvg of A and B: A = 0 with a huge B has ||s B A|| = 0 and passes
+    the per-client bound, but an average of factors makes it meet the honest clients' A (the
+    aggregate came out ~40,000x the honest one). training.equal_rank=flexlora averages ΔW:
+    the attacker's zero update can only dilute the honest mean."""
+    cfg = compose("tiny", ["training.equal_rank=flexlora"])
+    nodes = {i: NodeInfo(i, i - 10, "tiny-llama", 1) for i in (10, 11, 12)}
+    honest, attack = _factor_attack_round(None, 1, 0.0)
+    s = GroupedLoRA(cfg)
+    s.nodes = dict(nodes)
+    rows, groups = s.aggregate_train(1, honest + [attack], {})
+    assert groups[0]["method"] == "flexlora" and groups[0]["clipped"] is None
+    clean = GroupedLoRA(cfg)
+    clean.nodes = {i: nodes[i] for i in (10, 11)}
+    clean.aggregate_train(1, honest, {})
+    # ΔW with the attacker = (1·ΔW_0 + 3·ΔW_1 + 1·0) / 5 = 4/5 of the honest mean, exactly
+    np.testing.assert_allclose(_delta(s.groups["tiny-llama"]), 0.8 * _delta(clean.groups["tiny-llama"]),
+                               rtol=1e-5, atol=1e-7)
+
+
+def test_with_fedavg_of_factors_the_attack_is_clipped_in_round_1_and_refused_from_round_2(cfg):
+    assert cfg.training.equal_rank == "fedavg"  # the default, as FlowerTune
+    bound = float(cfg.privacy.max_update_norm)
+    nodes = {i: NodeInfo(i, i - 10, "tiny-llama", 1) for i in (10, 11, 12)}
+    honest, attack = _factor_attack_round(None, 1, 0.0)
+    s = GroupedLoRA(cfg)
+    s.nodes = dict(nodes)
+    rows, groups = s.aggregate_train(1, honest + [attack], {})
+    assert [r["status"] for r in rows] == ["ok", "ok", "ok"]  # round 1: no adapter sent to compare with
+    g = s.groups["tiny-llama"]
+    assert groups[0]["method"] == "fedavg"
+    assert update_norm(g.global_state, g.global_rank, g.global_alpha) == pytest.approx(bound, rel=1e-5)
+    assert groups[0]["clipped"][1] > 100 * bound  # unclipped it was far above the bound
+
+    s = GroupedLoRA(cfg)  # an honest round 1, then the attack in round 2
+    s.nodes = dict(nodes)
+    s.aggregate_train(1, honest, {})
+    honest2, attack2 = _factor_attack_round(None, 2, 0.01)
+    rows, groups = s.aggregate_train(2, honest2 + [attack2], {})
+    by_pid = {r["partition_id"]: r for r in rows}
+    assert [by_pid[p]["status"] for p in (0, 1, 2)] == ["ok", "ok", "rejected"]
+    assert "factors are out of scale" in by_pid[2]["reason"]
+    clean = GroupedLoRA(cfg)
+    clean.nodes = {i: nodes[i] for i in (10, 11)}
+    clean.aggregate_train(1, honest, {})
+    clean.aggregate_train(2, honest2, {})
+    assert_state_equal(s.groups["tiny-llama"].global_state, clean.groups["tiny-llama"].global_state)
+
+
 def test_honest_training_stays_well_inside_the_default_bound(cfg):
     from edgefuse.data import tokenize_example
     from edgefuse.training import train_steps

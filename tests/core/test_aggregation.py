@@ -200,3 +200,107 @@ def test_validate_rejects(tamper, message):
     tamper(u)
     with pytest.raises(MalformedUpdateError, match=message):
         validate_update(u, "smollm2-135m", {"l0.q": (6, 5), "l0.v": (3, 5)})
+
+
+# ------------------------------------------------- the factor attack on FedAvg (A = 0, huge B)
+
+
+def _honest_group(rng, n=3, rank=4, dims=None):
+    """Honest clients near a shared round adapter (what the server sent): small steps."""
+    dims = dims or {"q": (16, 12), "v": (16, 12)}
+    sent = random_update(rng, -1, rank, 8.0, 1, dims).state
+    for k in sent:  # LoRA-sized values: A ~ init scale, B small
+        sent[k] = f32(sent[k] * (0.3 if k.endswith(A) else 0.01))
+    ups = []
+    for pid in range(n):
+        st = {k: f32(v + rng.normal(scale=0.01, size=v.shape)) for k, v in sent.items()}
+        ups.append(ClientUpdate(pid, "m", rank, 8.0, 10, st))
+    return sent, ups
+
+
+def _attacker(sent, pid=9, scale=1e4):
+    """A = 0 and a huge B: its own ||s B A|| is 0, so a per-client norm bound passes it."""
+    st = {k: (np.zeros_like(v) if k.endswith(A) else f32(np.full(v.shape, scale)))
+          for k, v in sent.items()}
+    return ClientUpdate(pid, "m", 4, 8.0, 10, st)
+
+
+def test_a_zero_huge_b_passes_the_own_norm_but_blows_up_the_fedavg_aggregate():
+    from edgefuse.aggregation import update_norm
+
+    rng = np.random.default_rng(0)
+    sent, ups = _honest_group(rng)
+    bad = _attacker(sent)
+    assert update_norm(bad.state, 4, 8.0) == 0.0
+    validate_update(bad, "m", None, max_norm=1.0)  # the old check alone: passes
+    honest = aggregate_group(ups)
+    attacked = aggregate_group(ups + [bad])
+    h = update_norm(honest.global_state, 4, 8.0)
+    assert update_norm(attacked.global_state, 4, 8.0) > 1e4 * h  # the attack works unguarded
+
+
+def test_the_round_reference_refuses_the_factor_attack_and_passes_honest_clients():
+    rng = np.random.default_rng(1)
+    sent, ups = _honest_group(rng)
+    for u in ups:
+        validate_update(u, "m", None, max_norm=1.0, reference=sent)
+    with pytest.raises(MalformedUpdateError, match="factors are out of scale: its B with the round's A"):
+        validate_update(_attacker(sent), "m", None, max_norm=1.0, reference=sent)
+    # the mirror attack: a huge A and B = 0 (meets the round's non-zero B)
+    mirror = {k: (f32(np.full(v.shape, 1e4)) if k.endswith(A) else np.zeros_like(v))
+              for k, v in sent.items()}
+    with pytest.raises(MalformedUpdateError, match="the round's B with its A"):
+        validate_update(ClientUpdate(8, "m", 4, 8.0, 10, mirror), "m", None, max_norm=1.0,
+                        reference=sent)
+
+
+def test_the_aggregate_is_clipped_to_the_bound_and_honest_aggregates_are_untouched():
+    from edgefuse.aggregation import cross_norm, update_norm
+
+    rng = np.random.default_rng(2)
+    sent, ups = _honest_group(rng)
+    honest = aggregate_group(ups)
+    same = aggregate_group(ups, max_norm=1.0)  # honest: within the bound, bit for bit FedAvg
+    assert "clipped" not in same.info
+    for k, v in honest.global_state.items():
+        np.testing.assert_array_equal(same.global_state[k], v)
+    attacked = aggregate_group(ups + [_attacker(sent)], max_norm=1.0)
+    norm = update_norm(attacked.global_state, 4, 8.0)
+    assert norm == pytest.approx(1.0, rel=1e-5)
+    assert attacked.info["clipped"][4] > 1e3
+    # A is kept (trainable), B scaled: the clipped state is the unclipped one times a constant
+    raw = aggregate_group(ups + [_attacker(sent)])
+    for k, v in attacked.global_state.items():
+        if k.endswith(A):
+            np.testing.assert_array_equal(v, raw.global_state[k])
+    factor = 1.0 / update_norm(raw.global_state, 4, 8.0)
+    np.testing.assert_allclose(attacked.global_state["q" + B], raw.global_state["q" + B] * factor,
+                               rtol=1e-5)
+    assert cross_norm(raw.global_state, raw.global_state, 4, 8.0) == update_norm(raw.global_state, 4, 8.0)
+
+
+def test_flexlora_aggregate_is_clipped_per_rank():
+    from edgefuse.aggregation import update_norm
+
+    rng = np.random.default_rng(3)
+    dims = {"q": (8, 6)}
+    u0 = random_update(rng, 0, 2, 4.0, 5, dims)
+    u1 = random_update(rng, 1, 4, 4.0, 5, dims)
+    raw = aggregate_group([u0, u1], method="flexlora")
+    n2 = update_norm(raw.per_client[0], 2, 4.0)
+    n4 = update_norm(raw.per_client[1], 4, 4.0)
+    bound = 0.5 * min(n2, n4)
+    res = aggregate_group([u0, u1], method="flexlora", max_norm=bound)
+    assert update_norm(res.per_client[0], 2, 4.0) == pytest.approx(bound, rel=1e-5)
+    assert update_norm(res.per_client[1], 4, 4.0) == pytest.approx(bound, rel=1e-5)
+    assert set(res.info["clipped"]) == {2, 4}
+
+
+def test_unknown_equal_rank_mode_is_refused_by_the_aggregator_and_at_compose():
+    from edgefuse.config import ConfigError, compose, validate
+
+    rng = np.random.default_rng(4)
+    with pytest.raises(ValueError, match="unknown equal-rank aggregation 'mean'; valid: flexlora, fedavg"):
+        aggregate_group([random_update(rng, 0, 2, 4.0, 1, {"q": (4, 3)})], equal_rank="mean")
+    with pytest.raises(ConfigError, match="training.equal_rank must be one of flexlora, fedavg"):
+        validate(compose("tiny", ["training.equal_rank=mean"]))
