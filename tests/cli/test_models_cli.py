@@ -57,10 +57,14 @@ def test_list_shows_the_cache_state_of_every_model(tmp_path, capsys):
 
 
 def test_list_reads_the_cache_from_the_environment(tmp_path, capsys, monkeypatch):
+    """States no other cache shows: one complete, one incomplete, the rest absent."""
     fake_cached(tmp_path, "qwen2.5-coder-1.5b")
+    fake_cached(tmp_path, "smollm2-135m", weights=False)
     monkeypatch.setenv("EDGEFUSE_CACHE", str(tmp_path))
     assert main(["models", "list"]) == 0
-    assert table_rows(capsys.readouterr().out)["qwen2.5-coder-1.5b"][3] == "yes"
+    rows = table_rows(capsys.readouterr().out)
+    assert [rows[n][3] for n in ("qwen2.5-coder-1.5b", "smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b")] == [
+        "yes", "incomplete: re-fetch", "no", "no"]
 
 
 def test_fetch_of_a_cached_model_is_a_no_op(tmp_path, capsys, monkeypatch):
