@@ -243,9 +243,13 @@ class ChainGrid(FakeGrid):
 
 
 def _strip_timing(obj):
+    """``obj`` without timings and adapter folders; a round's group rows sorted by model
+    (they come in reply order, which no run fixes)."""
     if isinstance(obj, dict):
-        return {k: _strip_timing(v) for k, v in obj.items()
-                if "seconds" not in k and k != "adapter_dir"}
+        out = {k: _strip_timing(v) for k, v in obj.items() if "seconds" not in k and k != "adapter_dir"}
+        if isinstance(out.get("groups"), list):
+            out["groups"] = sorted(out["groups"], key=lambda g: g["model"])
+        return out
     if isinstance(obj, list):
         return [_strip_timing(v) for v in obj]
     return obj
