@@ -123,6 +123,8 @@ def test_generated_cards_and_ibans_are_valid(mirror):
     for p in prompts:
         for c, k in zip(p.canaries, p.kinds):
             by_kind.setdefault(k, []).append(c)
+    # the templates file writes line breaks as \n: the prompts hold real ones
+    assert any("\n" in p.text for p in prompts) and not any("\\n" in p.text for p in prompts)
     cards, ibans = by_kind["credit_card_number"], by_kind["iban"]
     assert cards and ibans
     for c in cards:
@@ -789,6 +791,7 @@ def test_audit_matches_text_case_insensitively_and_through_json_escapes():
     assert "\\u00d8" in str(reply["r"]["records"])  # json.dumps escaped the name
     assert "\\nKeira" in str(reply["r"]["notes"])  # ...and the newline, gluing an "n" to the name
     assert [aud.scan(b) for _, _, b in A.record_bytes(reply)] == [{"as_text": 1}, {"as_text": 1}]
+    assert aud.scan(b'{"t": "line one\\nKeira Forster"}') == {"as_text": 1}  # an escape is no letter
 
 
 # ------------------------------------------------- where hits come from, coincidences, known misses
