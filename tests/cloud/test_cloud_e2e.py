@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -12,6 +13,7 @@ from edgefuse.cloud.decoding import MODES, DecodeConfig, Decoder, DrafterSpec, E
 from edgefuse.cloud.devices import prompt_ids, run_devices, summarize
 from edgefuse.cloud.fusion import FusionConfig
 from edgefuse.cloud.link import CloudLink
+from edgefuse.cloud.target import tokenizer_fingerprint
 from edgefuse.eval.queries import Query
 from edgefuse.models import tiny_model
 from edgefuse.transport.wan import WanProfile
@@ -74,26 +76,37 @@ def test_configured_drafter_on_batched_devices_through_the_service(service, name
     assert rows["spec_sync"]["acceptance_rate"] is not None
 
 
-@pytest.mark.parametrize("mode", ["spec_sync", "spec_async", "fusion_adaptive"])
+@pytest.mark.parametrize("mode", ["spec_sync", "spec_async", "fusion_static"])
 def test_service_stopped_mid_generation_falls_back_to_edge(service, mode):
-    svc, _, tok = service
+    """The service is stopped after the link's third round trip: the k tokens committed
+    before it went (as the fallback note counts them, k >= 1) are the target's greedy ones,
+    the rest is the edge's own greedy continuation of the prompt and that prefix (fusion at
+    w = 0 with a deadline no answer misses, so each fused token is the cloud's top-1)."""
+    svc, target, tok = service
     edge = _edge(tok)
+    prompt = [5, 6, 7, 8]
     link = CloudLink.connect("127.0.0.1", svc.port, wan=WanProfile(20.0, 100.0))
-    def stop_after_round_trips():  # OPEN and one decode round trip, however slow the machine
+    def stop_after_round_trips():  # OPEN and two decode round trips, however slow the machine
         deadline = time.monotonic() + 120
-        while link.round_trips < 2 and time.monotonic() < deadline:
+        while link.round_trips < 3 and time.monotonic() < deadline:
             time.sleep(0.005)
         svc.stop()
 
     stopper = threading.Thread(target=stop_after_round_trips)
     stopper.start()
     res = Decoder(edge, link, svc.target.fingerprint).generate(
-        mode, [5, 6, 7, 8], DecodeConfig(max_new_tokens=200, gamma=2, timeout_s=5))
+        mode, prompt, DecodeConfig(max_new_tokens=200, gamma=2, timeout_s=10, deadline_ms=10_000,
+                                   fusion=FusionConfig(weight=0.0)))
     stopper.join()
     link.close()
-    assert len(res.tokens) == 200
-    assert res.fallback is not None and "edge only" in res.fallback
-    assert res.round_trips > 0  # it did use the cloud before
+    assert len(res.tokens) == 200 and res.deadline_misses == 0
+    m = re.fullmatch(r"cloud unavailable after (\d+) tokens \(.*\); the rest is edge only", res.fallback or "")
+    assert m, res.fallback
+    k = int(m.group(1))
+    assert 1 <= k < 200  # the cloud answered before it went
+    assert res.tokens[:k] == target_greedy(target, prompt, k)
+    rest = Decoder(_edge(tok)).generate("edge", prompt + res.tokens[:k], DecodeConfig(max_new_tokens=200 - k))
+    assert res.tokens[k:] == rest.tokens
 
 
 def test_late_cloud_answers_meet_the_deadline_path(service):
@@ -149,3 +162,34 @@ def test_real_smollm2_speculative_is_lossless_and_fusion_runs(start_service):
     assert fused.fallback is None and fused.round_trips == len(fused.tokens) + (len(fused.tokens) < 16)
     assert 0 < fused.edge_weight_mean < 1
     link.close()
+
+
+@pytest.mark.integration
+def test_default_pair_speculative_equals_the_target(start_service):
+    """The default cloud pair (``conf/cloud/default.yaml``: Qwen2.5-Coder-0.5B on the device,
+    1.5B in the cloud), fetched once if not cached: greedy speculative decoding through the
+    service, sync and async, equals the 1.5B's own greedy ``generate`` on two short prompts
+    for 8 tokens, and the 0.5B's drafts are accepted (the cloud did not decode alone)."""
+    from edgefuse.config import compose
+    from edgefuse.models import fetch, load_model
+
+    c = compose("default").cloud
+    for name in (c.model, c.device_model):
+        fetch(name)  # nothing to do when cached; never a skip
+    target, tok = load_model(c.model)
+    draft, dtok = load_model(c.device_model)
+    svc = start_service(target, tok, c.model)
+    link = CloudLink.connect("127.0.0.1", svc.port)
+    edge = EdgeLM(draft, dtok)
+    dec = Decoder(edge, link, tokenizer_fingerprint(dtok))
+    accepted = 0
+    for text in ("def fibonacci(n):", "The three primary colours are"):
+        ids = tok(text)["input_ids"]
+        want = target_greedy(target, ids, 8)
+        want = want[:next((i for i, t in enumerate(want) if t in edge.eos_ids), len(want))]
+        for mode in ("spec_sync", "spec_async"):
+            res = dec.generate(mode, ids, DecodeConfig(max_new_tokens=8))
+            assert res.tokens == want and res.fallback is None, (mode, text)
+            accepted += res.accepted
+    link.close()
+    assert accepted > 0

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from edgefuse.cloud import protocol as P
 from edgefuse.cloud.decoding.drafters import DRAFTERS, DrafterSpec
-from edgefuse.cloud.fusion import FusionConfig
+from edgefuse.cloud.fusion import CONFIDENCES, FusionConfig
 from edgefuse.cloud.protocol import CloudAuth
 
 MODES = ("edge", "cloud", "spec_sync", "spec_async", "fusion_static", "fusion_adaptive")
@@ -120,7 +120,8 @@ def check_config(cfg) -> None:
 
     Raises:
         ConfigError: a ``device_model`` no client runs, an unknown mode, WAN preset or
-            drafter, or an out-of-range decoding setting.
+            drafter, more ``devices`` than ``service.max_sessions``, or an out-of-range
+            service or decoding setting; the message names the key.
     """
     from omegaconf import OmegaConf
 
@@ -143,14 +144,24 @@ def check_config(cfg) -> None:
     except ValueError as e:
         raise ConfigError(f"cloud.wan: {e}") from None
     for key in ("cloud.devices", "cloud.eval.max_new_tokens", "cloud.eval.max_prompt_tokens",
-                "cloud.service.max_batch", "cloud.service.max_context", "cloud.decode.gamma_max",
-                "cloud.decode.fuse_topk", "cloud.decode.draft_topk"):
+                "cloud.service.max_batch", "cloud.service.max_sessions", "cloud.service.max_context",
+                "cloud.decode.gamma_max", "cloud.decode.fuse_topk", "cloud.decode.draft_topk"):
         positive_int(OmegaConf.select(cfg, key), key)
+    if int(cloud.devices) > int(cloud.service.max_sessions):
+        raise ConfigError(f"cloud.devices ({cloud.devices}) must be <= cloud.service.max_sessions "
+                          f"({cloud.service.max_sessions}): the service refuses the sessions beyond it")
+    if float(cloud.service.max_wait_ms) < 0:
+        raise ConfigError(f"cloud.service.max_wait_ms must be >= 0, got {cloud.service.max_wait_ms}")
     if int(cloud.eval.gsm8k_n) < 0 or int(cloud.eval.dolly_per_category) < 0 or \
             int(cloud.eval.gsm8k_n) + int(cloud.eval.dolly_per_category) == 0:
         raise ConfigError("cloud.eval needs gsm8k_n > 0 or dolly_per_category > 0 (both >= 0)")
     if float(cloud.decode.temperature) < 0:
         raise ConfigError(f"cloud.decode.temperature must be >= 0, got {cloud.decode.temperature}")
+    if not 0 <= float(cloud.decode.fusion_weight) <= 1:
+        raise ConfigError(f"cloud.decode.fusion_weight must be in [0, 1], got {cloud.decode.fusion_weight}")
+    if str(cloud.decode.confidence) not in CONFIDENCES:
+        raise ConfigError(f"cloud.decode.confidence must be one of {', '.join(CONFIDENCES)}, "
+                          f"got {cloud.decode.confidence!r}")
     try:
         decode_config(cloud)
     except ValueError as e:  # DecodeError and FusionConfig's checks
@@ -159,10 +170,3 @@ def check_config(cfg) -> None:
         drafter_spec(cloud)
     except DecodeError as e:
         raise ConfigError(str(e)) from None
-    if float(cloud.service.max_wait_ms) < 0 or int(cloud.devices) > int(cloud.service.max_sessions):
-        raise ConfigError("cloud.service.max_wait_ms must be >= 0 and cloud.devices <= "
-                          "cloud.service.max_sessions")
-    if str(cloud.decode.confidence) not in ("entropy", "margin"):
-        raise ConfigError(f"cloud.decode.confidence must be entropy or margin, got {cloud.decode.confidence!r}")
-    if not 0 <= float(cloud.decode.fusion_weight) <= 1:
-        raise ConfigError(f"cloud.decode.fusion_weight must be in [0, 1], got {cloud.decode.fusion_weight}")
