@@ -144,6 +144,15 @@ def _cloud(argv: list[str]) -> int:
     g.add_argument("--fusion-weight", type=float, default=0.5, help="edge weight of static fusion")
     g.add_argument("--confidence", default="entropy", choices=["entropy", "margin"])
     g.add_argument("--deadline-ms", type=float, default=1000.0, help="per fused token (ms)")
+    g.add_argument("--protection", default=None, choices=["off", "none", "redact", "rephrase", "both"],
+                   help="how each prompt is protected on the device before it goes toward the cloud "
+                        "(none = off; default: the main job's privacy.protection, both)")
+    g.add_argument("--flag-cache", default=None, action=argparse.BooleanOptionalAction,
+                   help="whether the cloud may keep the session's KV cache between requests "
+                        "(default: privacy.cloud_auth.flag_cache, yes)")
+    g.add_argument("--l-cache", type=int, default=None,
+                   help="the most past tokens the cloud may keep and attend to "
+                        "(default: privacy.cloud_auth.l_cache, unlimited)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     g.add_argument("--cache-dir", default=None, help=CACHE_HELP)
     g.add_argument("--data-mirror", default=None,

@@ -1,9 +1,13 @@
 """``edgefuse cloud generate``: complete one prompt or chat through the cloud link.
 
 The edge model (optionally with a LoRA adapter folder from a run's ``adapters/``) runs in
-this process; the cloud service must be running (``edgefuse cloud serve``). Every reply
-prints the decoding figures: tokens/s, ms per token, round trips, bytes each way per
-token, acceptance rate.
+this process; the cloud service must be running (``edgefuse cloud serve``). As in the main
+job, each prompt is protected on the device before anything goes toward the cloud
+(``--protection``, default the main job's ``privacy.protection``: redacted and/or
+rephrased, :mod:`edgefuse.privacy.protect`; the answer gets the original values back) and
+every request carries the device's cache authorization (``--flag-cache`` / ``--l-cache``,
+default ``privacy.cloud_auth``). Every reply prints the decoding figures: tokens/s, ms per
+token, round trips, bytes each way per token, acceptance rate.
 """
 
 from __future__ import annotations
@@ -12,9 +16,13 @@ import sys
 
 import torch
 
-from edgefuse.cloud.decoding import MODES, DecodeConfig, DecodeResult, Decoder, EdgeLM
+from edgefuse.cloud.decoding import MODES, DecodeConfig, DecodeResult, Decoder, EdgeLM, auth_from_config
 from edgefuse.cloud.fusion import FusionConfig
+from edgefuse.cloud import protocol as P
+from edgefuse.cloud.protocol import CloudAuth
 from edgefuse.cloud.target import tokenizer_fingerprint
+from edgefuse.privacy.protect import check_mode, client_protection, join_placeholders, protect
+from edgefuse.privacy.redact import restore
 
 
 def load_edge(model: str, adapter: str | None = None, cache_dir: str | None = None):
@@ -58,33 +66,55 @@ def _prompt_ids(tok, messages: list[dict]) -> list[int]:
     return tok(text)["input_ids"]
 
 
+def privacy_settings(args, cfg) -> tuple[str, CloudAuth]:
+    """The protection mode and cloud cache tuple of the command: ``args.protection``,
+    ``args.flag_cache`` and ``args.l_cache`` where given (None = not given), else the
+    ``privacy`` group of ``cfg`` (the main job's defaults, :func:`client_protection`,
+    :func:`auth_from_config`).
+
+    Raises:
+        ValueError: an unknown protection mode, or ``--l-cache`` below 1 (under 0 the cloud
+            could score nothing).
+    """
+    mode = check_mode(args.protection) if args.protection is not None else client_protection(cfg)
+    auth = auth_from_config(cfg.get("privacy"))
+    if args.l_cache is not None and not 1 <= args.l_cache < P.L_UNLIMITED:
+        raise ValueError(f"--l-cache must be in 1..{P.L_UNLIMITED - 1}, got {args.l_cache}")
+    flag = auth.flag_cache if args.flag_cache is None else bool(args.flag_cache)
+    return mode, CloudAuth(flag, auth.l_cache if args.l_cache is None else int(args.l_cache))
+
+
 def run(args) -> int:
     """The command (arguments from :func:`edgefuse.cli.main`); returns the exit status.
 
     Models load from, and the draft head's corpus comes from, what
-    :func:`edgefuse.config.resolve_paths` gives ``--cache-dir`` / ``--data-mirror``.
+    :func:`edgefuse.config.resolve_paths` gives ``--cache-dir`` / ``--data-mirror``. When a
+    mode uses the cloud, each prompt is protected (:func:`privacy_settings`) before it is
+    tokenized: the protected text is what every mode decodes from (so the modes stay
+    comparable), a note on stderr shows it, and the printed answer has the placeholders'
+    values put back. The chat history keeps the protected turns and the unrestored answers,
+    with one placeholder numbering over the whole chat (:func:`join_placeholders`).
     """
     from edgefuse.transport.wan import WanProfile
 
     from edgefuse.cloud.link import CloudLink, CloudUnavailable
 
-    from edgefuse.config import resolve_paths
+    from edgefuse.config import compose, resolve_paths
 
     if args.threads:
         torch.set_num_threads(args.threads)
     modes = list(MODES) if args.mode == "all" else [args.mode]
     paths = resolve_paths(data_mirror=getattr(args, "data_mirror", None),
                           cache_dir=getattr(args, "cache_dir", None))
+    job = compose("default")  # the main job's settings: the privacy defaults, the corpus
+    protection, auth = privacy_settings(args, job)
     model, tok = load_edge(args.model, args.adapter, paths.cache_dir)
     head = None
     if args.draft_head:
-        from edgefuse.config import compose
-
         from edgefuse.cloud.devices import pruned_head
 
-        cfg = compose("default")
-        resolve_paths(cfg, data_mirror=paths.data_mirror or "hub", cache_dir=paths.cache_dir)
-        head = pruned_head(model, tok, cfg.data, int(cfg.seed), args.draft_head, cfg.paths.cache_dir)
+        resolve_paths(job, data_mirror=paths.data_mirror or "hub", cache_dir=paths.cache_dir)
+        head = pruned_head(model, tok, job.data, int(job.seed), args.draft_head, job.paths.cache_dir)
     link = None
     if any(m != "edge" for m in modes):
         try:
@@ -94,13 +124,21 @@ def run(args) -> int:
                   f"`edgefuse cloud serve --model qwen2.5-coder-1.5b --port {args.port}`, "
                   "or use --mode edge", file=sys.stderr)
             return 1
+    else:
+        protection = "off"  # nothing leaves the device
+    redactor = None
+    if protection in ("redact", "both"):
+        from edgefuse.privacy.redact import Redactor
+
+        redactor = Redactor.from_config(job)
     cfg = DecodeConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                        gamma=args.gamma, seed=args.seed,
                        fusion=FusionConfig(weight=args.fusion_weight, confidence=args.confidence),
-                       deadline_ms=args.deadline_ms)
+                       deadline_ms=args.deadline_ms, auth=auth)
     dec = Decoder(EdgeLM(model, tok, head=head), link, tokenizer_fingerprint(tok),
                   rtt_ms=WanProfile.from_name(args.wan).rtt_ms)
     history: list[dict] = []
+    mapping: dict[str, str] = {}  # placeholder -> value over the whole chat; stays here
     try:
         while True:
             if args.prompt is not None:
@@ -112,12 +150,19 @@ def run(args) -> int:
                     break
                 if text in ("", "/quit", "/exit"):
                     break
+            if protection != "off":
+                p = protect(text, protection, model=model, tok=tok, redactor=redactor,
+                            max_new_tokens=int(job.privacy.rephrase.max_new_tokens))
+                text, mapping = join_placeholders(mapping, p.text, p.mapping)
+                fell = ", rephrasing fell back to the input" if p.rephrased_fell_back else ""
+                print(f"[protection {protection}{fell}] sent: {text}", file=sys.stderr)
             history.append({"role": "user", "content": text})
             ids = _prompt_ids(tok, history)
             reply = None
             for mode in modes:
                 res = dec.generate(mode, ids, cfg)
-                print(f"{mode}> {res.text}" if len(modes) > 1 or args.prompt is None else res.text)
+                shown = restore(res.text, mapping)
+                print(f"{mode}> {shown}" if len(modes) > 1 or args.prompt is None else shown)
                 print(figures(res), file=sys.stderr)
                 reply = reply if reply is not None else res.text
             history.append({"role": "assistant", "content": reply or ""})

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from edgefuse.privacy.redact import Redactor, get_redactor, restore
-from edgefuse.privacy.rephrase import rephrase_batch
+from edgefuse.privacy.rephrase import PLACEHOLDER, rephrase_batch
 
 PROTECTIONS = ("off", "redact", "rephrase", "both")
 # Other spellings accepted wherever a protection is configured: the privacy probe's rows
@@ -106,6 +106,22 @@ def restore_answer(answer: str, protected: Protected) -> str:
     :func:`edgefuse.privacy.redact.restore`).
     """
     return restore(answer, protected.mapping)
+
+
+def join_placeholders(first: dict, text: str, mapping: dict) -> tuple[str, dict]:
+    """Renumber the placeholders of a second text redacted on its own (both number from
+    ``<PERSON_1>``): a value already in ``first`` takes its placeholder, a new value the next
+    free number of its type. Returns ``(text renumbered, the joint mapping)``."""
+    joint, by_value, renames = dict(first), {v: k for k, v in first.items()}, {}
+    for ph, value in mapping.items():
+        if value in by_value:
+            renames[ph] = by_value[value]
+            continue
+        new, kind, n = ph, ph[1:-1].rsplit("_", 1)[0], 1
+        while new in joint:
+            new, n = f"<{kind}_{n}>", n + 1
+        joint[new], by_value[value], renames[ph] = value, new, new
+    return PLACEHOLDER.sub(lambda m: renames.get(m.group(0), m.group(0)), text), joint
 
 
 def client_protection(cfg, client_entry=None) -> str:

@@ -27,9 +27,8 @@ from edgefuse.cloud.decoding import DraftHead, DrafterSpec, auth_from_config, de
 from edgefuse.cloud.devices import pruned_head, run_devices
 from edgefuse.cloud.target import tokenizer_fingerprint
 from edgefuse.privacy.audit import watch_canaries
-from edgefuse.privacy.protect import client_protection, protect_batch
+from edgefuse.privacy.protect import client_protection, join_placeholders, protect_batch
 from edgefuse.privacy.redact import restore
-from edgefuse.privacy.rephrase import PLACEHOLDER
 from edgefuse.transport.wan import WanProfile
 from edgefuse.eval.queries import Query
 
@@ -52,22 +51,6 @@ def protect_queries(queries: list[Query], mode: str, model, tok, redactor=None,
         out.append(replace(q, instruction=i.text, context=context if q.context else q.context))
         maps.append(mapping)
     return out, maps
-
-
-def join_placeholders(first: dict, text: str, mapping: dict) -> tuple[str, dict]:
-    """Renumber the placeholders of a second text redacted on its own (both number from
-    ``<PERSON_1>``): a value already in ``first`` takes its placeholder, a new value the next
-    free number of its type. Returns ``(text renumbered, the joint mapping)``."""
-    joint, by_value, renames = dict(first), {v: k for k, v in first.items()}, {}
-    for ph, value in mapping.items():
-        if value in by_value:
-            renames[ph] = by_value[value]
-            continue
-        new, kind, n = ph, ph[1:-1].rsplit("_", 1)[0], 1
-        while new in joint:
-            new, n = f"<{kind}_{n}>", n + 1
-        joint[new], by_value[value], renames[ph] = value, new, new
-    return PLACEHOLDER.sub(lambda m: renames.get(m.group(0), m.group(0)), text), joint
 
 
 def _canary_queries(cfg, n: int) -> list[Query]:
