@@ -177,7 +177,7 @@ class GroupedLoRA:
         return {"partition_id": node.partition_id, "model": node.model,
                 "lora_rank": node.lora_rank, "train_loss": None, "eval_loss": None,
                 "eval_ppl": None, "base_eval_loss": None, "base_eval_ppl": None,
-                "bytes_up": 0, "bytes_down": 0, "seconds": 0.0, "num_examples": 0,
+                "bytes_up": 0, "bytes_down": 0, "seconds": 0.0, "num_examples": 0, "weight_examples": 0,
                 "status": "failed", "reason": "no reply"}
 
     def aggregate_train(self, round_idx: int, replies, sent_bytes: dict[int, int]) -> tuple[list[dict], list[dict]]:
@@ -207,7 +207,7 @@ class GroupedLoRA:
                 upd, metrics, nbytes = self._parse_update(msg, node)
                 row.update(bytes_up=nbytes, train_loss=float(metrics["train_loss"]),
                            seconds=float(metrics["seconds"]),
-                           num_examples=int(metrics["num_examples"]),
+                           num_examples=int(metrics["num_examples"]), weight_examples=upd.num_examples,
                            train_seconds=float(metrics.get("train_seconds", 0.0)),
                            load_seconds=float(metrics.get("load_seconds", 0.0)))
                 validate_update(upd, node.model, self.shapes.get(node.model),
@@ -248,8 +248,14 @@ class GroupedLoRA:
         arrays = {k: v.numpy() for k, v in msg.content["adapter"].items()}
         index = str(meta["adapter_index"])
         state = unpack_adapter(arrays, index)
-        upd = ClientUpdate(node.partition_id, str(meta["model"]), int(meta["lora_rank"]),
-                           float(meta["lora_alpha"]), int(metrics["num_examples"]), state)
+        alpha = float(self.cfg.training.lora_alpha)
+        if float(meta["lora_alpha"]) != alpha:
+            raise MalformedUpdateError(f"lora_alpha {meta['lora_alpha']} differs from the configured {alpha:g}")
+        # The FedAvg weight: what the client says, at most what a round can train on (a client
+        # claiming 1e9 examples must not own the average).
+        seen = int(self.cfg.training.steps_per_round) * int(self.cfg.training.batch_size)
+        upd = ClientUpdate(node.partition_id, str(meta["model"]), int(meta["lora_rank"]), alpha,
+                           min(int(metrics["num_examples"]), seen), state)
         if upd.rank != node.lora_rank:
             raise MalformedUpdateError(f"rank {upd.rank} differs from the configured {node.lora_rank}")
         return upd, metrics, adapter_nbytes(arrays) + len(index.encode())

@@ -498,6 +498,36 @@ def test_with_fedavg_of_factors_the_attack_is_clipped_in_round_1_and_refused_fro
     assert_state_equal(s.groups["tiny-llama"].global_state, clean.groups["tiny-llama"].global_state)
 
 
+def test_an_inflated_num_examples_is_capped_and_a_foreign_alpha_refused(cfg):
+    """A client claiming 1e9 examples would own the FedAvg weights; the server caps every
+    claim at what a round can train on (steps_per_round x batch_size). lora_alpha is the
+    config's: a reply with another alpha (another scaling of the same factors) is refused."""
+    seen = int(cfg.training.steps_per_round) * int(cfg.training.batch_size)
+    a = one_module_state([[1.0, 0.0]], [[1.0], [0.0]])
+    b = one_module_state([[0.0, 1.0]], [[0.0], [1.0]])
+    nodes = {i: NodeInfo(i, i - 10, "tiny-llama", 1) for i in (10, 11)}
+
+    def run(n_b):
+        s = GroupedLoRA(cfg)
+        s.nodes = dict(nodes)
+        rows, _ = s.aggregate_train(1, [reply(10, 0, "tiny-llama", 1, a, n=seen),
+                                        reply(11, 1, "tiny-llama", 1, b, n=n_b)], {})
+        return rows, s.groups["tiny-llama"].global_state
+
+    rows, inflated = run(10**9)
+    assert [r["weight_examples"] for r in rows] == [seen, seen]
+    assert rows[1]["num_examples"] == 10**9  # recorded as claimed
+    _, honest = run(seen)
+    assert_state_equal(inflated, honest)  # equal weights: A = [[0.5, 0.5]]
+    np.testing.assert_allclose(inflated[f"{KEY}.lora_A.weight"], [[0.5, 0.5]])
+
+    s = GroupedLoRA(cfg)
+    s.nodes = dict(nodes)
+    rows, _ = s.aggregate_train(1, [reply(10, 0, "tiny-llama", 1, a, n=seen),
+                                    reply(11, 1, "tiny-llama", 1, b, n=seen, alpha=1e6)], {})
+    assert rows[1]["status"] == "rejected" and "lora_alpha 1000000.0 differs" in rows[1]["reason"]
+
+
 def test_honest_training_stays_well_inside_the_default_bound(cfg):
     from edgefuse.data import tokenize_example
     from edgefuse.training import train_steps
