@@ -69,7 +69,7 @@ def test_aggregate_evaluate_fills_each_clients_row_with_its_own_figures(strategy
         reply(12, 2, "tiny-qwen2", 1, state([[9, 9]], [[9], [9]]), n=7)], {10: 100, 11: 200, 12: 300})
     strategy.aggregate_evaluate(rows, [
         eval_reply(11, 1.25, 2.5), error_reply(12, "Traceback ...\nRuntimeError: out of memory"),
-        eval_reply(99, 0.01, 0.01), eval_reply(10, 0.75, 2.0, seconds=1.5)],
+        eval_reply(10, 0.75, 2.0, seconds=1.5), eval_reply(99, 0.01, 0.01)],
         {10: 7, 11: 8, 12: 9, 13: 10})
     by_pid = {r["partition_id"]: r for r in rows}
     assert [r["partition_id"] for r in rows] == [0, 1, 2, 3]
