@@ -120,10 +120,27 @@ def _cloud(argv: list[str]) -> int:
                    help="sessions open at once; more get ERROR busy (default 64)")
     s.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     s.add_argument("--max-context", type=int, default=2048, help="tokens per session, at most (default 2048)")
+    s.add_argument("--max-connections", type=int, default=128,
+                   help="connections open at once; more are closed on accept (default 128)")
+    s.add_argument("--idle-timeout-s", type=float, default=300.0,
+                   help="s without a valid message before a connection and its session close (default 300)")
+    s.add_argument("--handshake-timeout-s", type=float, default=10.0,
+                   help="s a new connection has for its first message (default 10)")
+    s.add_argument("--max-frame-bytes", type=int, default=65536,
+                   help="largest message body accepted, checked before it is read (default 65536)")
+    s.add_argument("--max-pending", type=int, default=4,
+                   help="requests per connection waiting for the model, at most (default 4)")
+    s.add_argument("--max-queue", type=int, default=256,
+                   help="requests waiting for the model in all, at most (default 256)")
+    s.add_argument("--max-draft", type=int, default=16,
+                   help="drafted tokens per VERIFY, at most; more get ERROR limit (default 16)")
+    s.add_argument("--max-batch-tokens", type=int, default=8192,
+                   help="token rows per forward pass, at most (>= --max-context; default 8192)")
     s.add_argument("--port-file", default=None, help="write the bound port here once listening")
     s.add_argument("--log-level", default="INFO", help="logging level on stderr (default INFO)")
     s.add_argument("--cache-dir", default=None, help=CACHE_HELP)
-    h = sub.add_parser("health", help="print a running service's status as JSON")
+    h = sub.add_parser("health", help="print a running service's status as JSON (every counter "
+                                      "with the service's token in $EDGEFUSE_CLOUD_HEALTH_TOKEN)")
     h.add_argument("--host", default="127.0.0.1")
     h.add_argument("--port", type=int, default=39200)
     h.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
@@ -177,7 +194,8 @@ def _cloud(argv: list[str]) -> int:
         from edgefuse.cloud.link import CloudUnavailable, cloud_health
 
         try:
-            status = cloud_health(args.host, args.port, args.timeout)
+            status = cloud_health(args.host, args.port, args.timeout,
+                                  token=os.environ.get("EDGEFUSE_CLOUD_HEALTH_TOKEN") or None)
         except CloudUnavailable as e:
             raise CLIError(e, status=1) from None
         print(json.dumps(status, indent=2, sort_keys=True))
@@ -194,7 +212,11 @@ def _cloud(argv: list[str]) -> int:
     try:
         serve(args.model, args.host, args.port, max_batch=args.max_batch,
               max_wait_ms=args.max_wait_ms, max_sessions=args.max_sessions, threads=args.threads,
-              max_context=args.max_context, port_file=args.port_file)
+              max_context=args.max_context, port_file=args.port_file,
+              max_connections=args.max_connections, idle_timeout_s=args.idle_timeout_s,
+              handshake_timeout_s=args.handshake_timeout_s, max_frame_bytes=args.max_frame_bytes,
+              max_pending=args.max_pending, max_queue=args.max_queue, max_draft=args.max_draft,
+              max_batch_tokens=args.max_batch_tokens)
     except (ModelSpecError, ModelFetchError, ValueError, OSError) as e:
         raise CLIError(e) from None
     return 0

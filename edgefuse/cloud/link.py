@@ -29,8 +29,8 @@ import threading
 import time
 
 from edgefuse.cloud import protocol as P
-from edgefuse.cloud.wire import (PeerClosed, decode_health, decode_welcome, encode_hello, frame,
-                        recv_message, send_message)
+from edgefuse.cloud.wire import (PeerClosed, decode_health, decode_welcome, encode_health_probe,
+                        encode_hello, frame, recv_message, send_message)
 from edgefuse.transport.crypto import (FrameError, SecureSession, derive_session,
                                        generate_keypair, new_session_id)
 from edgefuse.privacy.audit import outbound
@@ -355,14 +355,15 @@ class CloudLink:
                 self._cond.notify_all()
 
 
-def cloud_health(host: str, port: int, timeout_s: float = 5.0) -> dict:
+def cloud_health(host: str, port: int, timeout_s: float = 5.0, token: str | None = None) -> dict:
     """Ask the cloud service for its status (one cleartext JSON message; see
-    :meth:`edgefuse.cloud.service.CloudService.health`). ``timeout_s``: seconds for connect + answer.
+    :meth:`edgefuse.cloud.service.CloudService.health`). ``timeout_s``: seconds for connect + answer;
+    ``token``: the service's health token (its full counters; None: liveness and load only).
     Raises :class:`CloudUnavailable` (refused, closed, no answer in time),
     :class:`edgefuse.cloud.protocol.ProtocolError` (not JSON)."""
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as sock:
-            send_message(sock, P.MAGIC_HEALTH)
+            send_message(sock, encode_health_probe(token))
             body = recv_message(sock)
     except (OSError, PeerClosed) as exc:
         raise CloudUnavailable(f"no health answer from the cloud at {host}:{port}: "

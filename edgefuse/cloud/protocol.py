@@ -84,7 +84,14 @@ MAGIC_HELLO = b"EFC1"  # device → cloud: magic ‖ 32-byte X25519 public key �
 MAGIC_WELCOME = b"EFC1"  # cloud → device: magic ‖ 32-byte X25519 public key
 MAGIC_HEALTH = b"EFH1"  # a health probe: the cloud answers one cleartext JSON status message
 LENGTH_PREFIX_BYTES = 4
-MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # the framing's own ceiling (both ends)
+# what the cloud service accepts (its ``max_frame_bytes`` default): a real request is at most
+# ~8 KB (an OPEN of 2,048 prompt ids, a VERIFY re-sending a 2,048-id window), 64 KiB leaves
+# room for a sampled VERIFY's draft distributions (γ × kq × 6 bytes)
+MAX_REQUEST_BYTES = 64 * 1024
+# a connection's first message: a hello (≤ 4 + 32 + 1 + 255 bytes) or a health probe
+# (magic ‖ token)
+MAX_FIRST_MESSAGE_BYTES = 512
 
 OPEN, VERIFY, FUSE, CLOSE, AUTH = 1, 2, 3, 4, 5
 OPENED, VERIFIED, TOPK, AUTHED, ERROR = 101, 102, 103, 104, 127
@@ -106,7 +113,8 @@ class SyncError(ProtocolError):
 
 class RemoteError(RuntimeError):
     """The cloud answered ERROR; ``code`` names the reason (``sync``, ``protocol``, ``busy``,
-    ``fingerprint``, ``context``, ``evicted``, ``internal``)."""
+    ``fingerprint``, ``context``, ``evicted``, ``limit`` (the request exceeds a service limit:
+    too many drafted tokens, too much work for one forward pass), ``internal``)."""
 
     def __init__(self, code: str, message: str):
         super().__init__(f"cloud error [{code}]: {message}")

@@ -22,8 +22,9 @@ Model of execution:
   (flagCache, LCache) of the edge–cloud seed design: the eviction is done before AUTHED is
   sent); VERIFY and FUSE jobs are batched: the worker takes the first queued job,
   waits up to ``max_wait_ms`` for more (at most one job per session, at most ``max_batch``;
-  it stops waiting as soon as every open session has a job in the batch, so a lone session
-  never waits and N sessions in step stay batched together),
+  it waits only while a session not yet in the batch could still send one — see "Limits" —
+  so a lone session, or one beside idle ones, never waits, and N sessions in step stay
+  batched together),
   runs ``target.step(jobs)`` once and routes each answer back to its connection
   (``loop.call_soon_threadsafe``). Per-session order is kept: a session's later requests wait
   for its earlier ones. A job whose session has closed meanwhile is dropped.
@@ -35,6 +36,40 @@ Model of execution:
 - ``max_sessions``: an OPEN beyond it gets ERROR ``busy`` (the connection stays usable; the
   device may retry or close).
 
+Limits (against a client that sends what it likes; the device is not authenticated, so each
+bounds what one connection can cost the others; config ``cloud.service.*``, CLI
+``edgefuse cloud serve --...``):
+
+- ``max_connections`` (128): a connection beyond it is closed as soon as it is accepted,
+  before a byte is read or a key generated (``connections_refused``).
+- ``handshake_timeout_s`` (10 s) for the first message; then ``idle_timeout_s`` (300 s): a
+  connection that sends no valid message for that long while no request of its is waiting
+  for the worker is closed, and its session freed (``idle_closed``). Rejected frames do not
+  count as activity.
+- ``max_frame_bytes`` (64 KiB; a real request is at most ~8 KB): checked from the length
+  prefix, before the body is read; the first message may have 512 bytes. A larger
+  announcement closes the connection (``frames_oversized``).
+- ``max_pending`` (4) requests per connection and ``max_queue`` (256) in all wait for the
+  worker at most; past either, the connection is not read until an answer goes out
+  (backpressure through TCP, ``backpressure_waits``), so queued memory is bounded by
+  ``max_queue × max_frame_bytes``.
+- the target's ``max_draft`` (16) drafted tokens per VERIFY and ``max_batch_tokens`` (8192)
+  token rows per forward pass (:class:`edgefuse.cloud.target.Target`): beyond them ERROR
+  ``limit``, the session goes on.
+- the batcher waits only for sessions that could still join: a session counts while its
+  device is answering within about its own last round (twice its last gap between answer
+  and next request, plus ``max_wait_ms``); an idle one does not make others wait
+  (``batch_waits`` / ``batch_wait_timeouts`` count the waits).
+- the health probe without the service's health token (``EDGEFUSE_CLOUD_HEALTH_TOKEN`` in its
+  environment; :func:`start_service_process` makes one) answers liveness and load only:
+  status, model, context_len, sessions_open, connections_open, queue_depth, uptime_s. With
+  the token it adds the fingerprint, pid, limits and every counter (other sessions' bytes,
+  jobs and batches are traffic metadata).
+
+Not bounded: an attacker holding ``max_sessions`` sessions and keeping each one active (a
+cheap AUTH every few seconds) still locks devices out with ``busy``; that needs device
+authentication (docs/limits.md).
+
 Run it in-process (:meth:`CloudService.start_in_thread` / :meth:`CloudService.stop`), in the
 foreground until SIGINT/SIGTERM (:meth:`CloudService.serve_forever`, used by
 ``edgefuse cloud serve``), or as a child process
@@ -45,11 +80,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hmac
 import itertools
 import logging
 import os
 import queue
+import secrets
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -60,14 +98,16 @@ from pathlib import Path
 from typing import Any, Callable
 
 from edgefuse.cloud import protocol as P
-from edgefuse.cloud.wire import (PeerClosed, aread_message, decode_hello, encode_health, encode_welcome,
-                        is_health_probe, write_message)
+from edgefuse.cloud.wire import (MessageTooLarge, PeerClosed, decode_hello, encode_health,
+                        encode_welcome, health_probe_token, is_health_probe, write_message)
 from edgefuse.transport.crypto import FrameError, HandshakeError, derive_session, generate_keypair
 
 log = logging.getLogger("edgefuse.cloud")
 
 DEFAULT_PORT = 39200
+HEALTH_TOKEN_ENV = "EDGEFUSE_CLOUD_HEALTH_TOKEN"  # the service's health token (its environment)
 _STOP = object()  # the worker's stop sentinel
+_PREFIX = struct.Struct(">I")
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -89,6 +129,10 @@ class _Conn:
         self.bytes_in = self.bytes_out = 0
         self.messages_in = self.messages_out = 0
         self.frames_rejected = 0
+        self.pending = 0  # requests of this connection queued for the worker, not answered
+        self.last_active = time.monotonic()  # last valid message in or answer out
+        self.idle = False  # closed by the idle timeout
+        self.room = asyncio.Event()  # set when an answer frees a queue slot
 
     def send(self, msg: P.Message) -> None:
         """Seal and queue one message on the socket (event-loop thread)."""
@@ -113,6 +157,8 @@ class _Session:
         self.closed = False  # set by the event loop (CLOSE, disconnect, shutdown)
         self.failed = False  # target.open refused
         self.jobs = 0
+        self.answered_at: float | None = None  # worker: when its last answer went out
+        self.gap: float | None = None  # worker: last answer → next request (s)
 
 
 @dataclass
@@ -120,6 +166,9 @@ class _Item:
     kind: str  # "open" | "close" | "auth" | "job"
     sess: _Session
     msg: Any = None
+    t: float = 0.0  # when it was queued (monotonic s)
+    counted: bool = False  # holds a queue slot until answered
+    answered: bool = False
 
 
 class CloudService:
@@ -140,13 +189,24 @@ class CloudService:
         max_sessions: sessions open at once; an OPEN beyond gets ERROR ``busy``.
         handshake_timeout_s: a connection that sends no first message within this many
             seconds is closed.
+        max_connections: connections open at once; one more is closed on accept.
+        idle_timeout_s: seconds without a valid message (and no request waiting for the
+            worker) after which a connection and its session are closed.
+        max_frame_bytes: the largest message body accepted after the handshake (bytes,
+            512 .. 16 MiB), checked from the length prefix before the body is read.
+        max_pending: requests per connection waiting for the worker, at most (≥ 1).
+        max_queue: requests waiting for the worker in all, at most (≥ 1).
+        health_token: the secret a health probe must carry for the full status (None: the
+            full status is never sent over the network).
 
     Raises ``ValueError`` for out-of-range settings.
     """
 
     def __init__(self, target, host: str = "127.0.0.1", port: int = 0, *, max_batch: int = 8,
                  max_wait_ms: float = 100.0, max_sessions: int = 64,
-                 handshake_timeout_s: float = 10.0):
+                 handshake_timeout_s: float = 10.0, max_connections: int = 128,
+                 idle_timeout_s: float = 300.0, max_frame_bytes: int = P.MAX_REQUEST_BYTES,
+                 max_pending: int = 4, max_queue: int = 256, health_token: str | None = None):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if not max_wait_ms >= 0:
@@ -155,6 +215,17 @@ class CloudService:
             raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
         if not 0 <= port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {port}")
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
+        if not (handshake_timeout_s > 0 and idle_timeout_s > 0):
+            raise ValueError(f"handshake_timeout_s and idle_timeout_s must be > 0, got "
+                             f"{handshake_timeout_s} and {idle_timeout_s}")
+        if not P.MAX_FIRST_MESSAGE_BYTES <= max_frame_bytes <= P.MAX_MESSAGE_BYTES:
+            raise ValueError(f"max_frame_bytes must be in {P.MAX_FIRST_MESSAGE_BYTES}.."
+                             f"{P.MAX_MESSAGE_BYTES}, got {max_frame_bytes}")
+        if max_pending < 1 or max_queue < 1:
+            raise ValueError(f"max_pending and max_queue must be >= 1, got {max_pending} and "
+                             f"{max_queue}")
         self.target = target
         self.host = host
         self.requested_port = int(port)
@@ -163,8 +234,16 @@ class CloudService:
         self.max_wait_ms = float(max_wait_ms)
         self.max_sessions = int(max_sessions)
         self.handshake_timeout_s = float(handshake_timeout_s)
+        self.max_connections = int(max_connections)
+        self.idle_timeout_s = float(idle_timeout_s)
+        self.max_frame_bytes = int(max_frame_bytes)
+        self.max_pending = int(max_pending)
+        self.max_queue = int(max_queue)
+        self._health_token = health_token.encode() if health_token else None
 
         self._queue: queue.Queue = queue.Queue()
+        self._queued = 0  # event loop: counted items queued and not answered
+        self._waiting: set[_Conn] = set()  # event loop: connections waiting for a queue slot
         self._pending: collections.deque = collections.deque()  # worker-only: deferred items
         self._lock = threading.Lock()  # guards the counters and _live
         self._live: set[_Session] = set()  # sessions holding (or about to hold) a cache slot
@@ -183,6 +262,12 @@ class CloudService:
 
     # ------------------------------------------------------------------------------ status
 
+    _COUNTERS = ("sessions_total", "connections_total", "jobs_dropped", "frames_rejected",
+                 "protocol_errors", "busy_refusals", "health_probes", "health_auth_failures",
+                 "connections_refused", "idle_closed", "handshake_timeouts", "frames_oversized",
+                 "backpressure_waits", "queued_max", "limit_refusals", "batch_waits",
+                 "batch_wait_timeouts")
+
     def stats(self) -> dict:
         """Counters since start: ``sessions_open`` (holding a cache slot now),
         ``sessions_total``, ``connections_open``, ``connections_total``, ``batches``
@@ -190,8 +275,18 @@ class CloudService:
         closed before its turn), ``mean_batch_size`` (jobs / batches), ``max_batch_size``,
         ``batch_sizes`` ({size: count}), ``frames_rejected`` (frames that failed to open),
         ``protocol_errors`` (plaintexts that failed to parse, misplaced messages),
-        ``busy_refusals``, ``health_probes``, ``bytes_in`` / ``bytes_out`` (bytes on the
-        sockets of closed connections plus open ones, length prefixes included)."""
+        ``busy_refusals``, ``health_probes``, ``health_auth_failures`` (probes with a wrong
+        token), ``bytes_in`` / ``bytes_out`` (bytes on the sockets of closed connections
+        plus open ones, length prefixes included); the limits' counters:
+        ``connections_refused`` (over ``max_connections``), ``idle_closed`` (connections
+        closed by ``idle_timeout_s``), ``handshake_timeouts``, ``frames_oversized``
+        (announced over the frame cap), ``backpressure_waits`` (a connection not read
+        because its or the total queue was full), ``queued`` / ``queued_max`` (requests
+        waiting for the worker now / at most so far), ``limit_refusals`` (ERROR ``limit`` answers), ``batch_waits`` (times the
+        batcher blocked for a job that could still join), ``batch_wait_timeouts`` (of those,
+        ended by ``max_wait_ms`` with nothing), ``batch_wait_ms`` (time spent so, ms) and the
+        target's ``forward_tokens_max`` (the most token rows one forward pass fed; None if
+        the target does not count)."""
         with self._lock:
             c = dict(self._c)
             hist = dict(sorted(self._batch_hist.items()))
@@ -199,43 +294,58 @@ class CloudService:
         conns = list(self._conns)
         batches = c.get("batches", 0)
         jobs = c.get("jobs", 0)
-        return {
+        out = {
             "sessions_open": live,
-            "sessions_total": c.get("sessions_total", 0),
             "connections_open": len(conns),
-            "connections_total": c.get("connections_total", 0),
             "batches": batches,
             "jobs": jobs,
-            "jobs_dropped": c.get("jobs_dropped", 0),
             "mean_batch_size": (jobs / batches) if batches else 0.0,
             "max_batch_size": max(hist) if hist else 0,
             "batch_sizes": {str(k): v for k, v in hist.items()},
-            "frames_rejected": c.get("frames_rejected", 0),
-            "protocol_errors": c.get("protocol_errors", 0),
-            "busy_refusals": c.get("busy_refusals", 0),
-            "health_probes": c.get("health_probes", 0),
             "bytes_in": c.get("bytes_in", 0) + sum(x.bytes_in for x in conns),
             "bytes_out": c.get("bytes_out", 0) + sum(x.bytes_out for x in conns),
+            "queued": self._queued,
+            "batch_wait_ms": round(c.get("batch_wait_us", 0) / 1000.0, 3),
+            "forward_tokens_max": getattr(self.target, "forward_tokens_max", None),
         }
+        out.update({k: c.get(k, 0) for k in self._COUNTERS})
+        return out
 
-    def health(self) -> dict:
-        """The health answer: ``status`` (``ok`` / ``stopping``), ``model``,
-        ``fingerprint``, ``context_len``, ``sessions_open``, ``queue_depth`` (requests
-        waiting for the worker), ``batches``, ``uptime_s`` (seconds), the settings
-        (``max_batch``, ``max_wait_ms``, ``max_sessions``) and every :meth:`stats` counter."""
+    def health(self, authenticated: bool = False) -> dict:
+        """The health answer. For anyone: ``status`` (``ok`` / ``stopping``), ``model``,
+        ``context_len``, ``sessions_open``, ``connections_open``, ``queue_depth`` (requests
+        waiting for the worker), ``uptime_s`` (seconds) and ``authenticated``. With
+        ``authenticated`` (a probe carrying the health token) also ``fingerprint``,
+        ``pid``, the limits (``max_batch``, ``max_wait_ms``, ``max_sessions``,
+        ``max_connections``, ``idle_timeout_s``, ``handshake_timeout_s``,
+        ``max_frame_bytes``, ``max_pending``, ``max_queue``, the target's ``max_draft`` and
+        ``max_batch_tokens``) and every :meth:`stats` counter."""
+        with self._lock:
+            live = len(self._live)
         out = {
             "status": "stopping" if self._stop_requested else "ok",
             "model": str(getattr(self.target, "name", "?")),
-            "fingerprint": str(getattr(self.target, "fingerprint", "?")),
             "context_len": int(getattr(self.target, "context_len", 0)),
+            "sessions_open": live,
+            "connections_open": len(self._conns),
             "queue_depth": self._queue.qsize() + len(self._pending),
             "uptime_s": round(time.monotonic() - self._started_at, 3) if self._started_at else 0.0,
-            "max_batch": self.max_batch,
-            "max_wait_ms": self.max_wait_ms,
-            "max_sessions": self.max_sessions,
-            "pid": os.getpid(),
+            "authenticated": bool(authenticated),
         }
-        out.update(self.stats())
+        if authenticated:
+            out.update({
+                "fingerprint": str(getattr(self.target, "fingerprint", "?")),
+                "pid": os.getpid(),
+                "max_batch": self.max_batch, "max_wait_ms": self.max_wait_ms,
+                "max_sessions": self.max_sessions, "max_connections": self.max_connections,
+                "idle_timeout_s": self.idle_timeout_s,
+                "handshake_timeout_s": self.handshake_timeout_s,
+                "max_frame_bytes": self.max_frame_bytes, "max_pending": self.max_pending,
+                "max_queue": self.max_queue,
+                "max_draft": getattr(self.target, "max_draft", None),
+                "max_batch_tokens": getattr(self.target, "max_batch_tokens", None),
+            })
+            out.update(self.stats())
         return out
 
     def _count(self, key: str, n: int = 1) -> None:
@@ -304,13 +414,32 @@ class CloudService:
         self._worker = threading.Thread(target=self._work, name="edgefuse-cloud-worker", daemon=True)
         self._worker.start()
         log.info("cloud service for %s listening on %s:%d (max_batch=%d, max_wait_ms=%g, "
-                 "max_sessions=%d)", getattr(self.target, "name", "?"), self.host, self.port,
-                 self.max_batch, self.max_wait_ms, self.max_sessions)
+                 "max_sessions=%d, max_connections=%d, idle_timeout_s=%g, max_frame_bytes=%d)",
+                 getattr(self.target, "name", "?"), self.host, self.port, self.max_batch,
+                 self.max_wait_ms, self.max_sessions, self.max_connections, self.idle_timeout_s,
+                 self.max_frame_bytes)
+        reaper = asyncio.create_task(self._reap_idle())
         try:
             on_ready()
             await self._stop_evt.wait()
         finally:
+            reaper.cancel()
             await self._shutdown(server)
+
+    async def _reap_idle(self) -> None:
+        """Close every connection idle for ``idle_timeout_s`` (no valid message in, no answer
+        out, no request waiting for the worker); checks a few times per timeout."""
+        every = min(self.idle_timeout_s / 4, 1.0)
+        while True:
+            await asyncio.sleep(every)
+            now = time.monotonic()
+            for conn in list(self._conns):
+                if (conn.secure is not None and not conn.closed and conn.pending == 0
+                        and now - conn.last_active >= self.idle_timeout_s):
+                    conn.idle = True
+                    log.info("connection %d from %s: idle for %.1f s; closing", conn.id,
+                             conn.peer, now - conn.last_active)
+                    conn.writer.close()  # its handler reads EOF and frees the session
 
     def _on_signal(self, sig: int) -> None:
         log.info("cloud service: %s received, shutting down", signal.Signals(sig).name)
@@ -343,7 +472,45 @@ class CloudService:
 
     # ------------------------------------------------------------------ connections
 
+    async def _read(self, reader: asyncio.StreamReader, conn: _Conn, limit: int) -> bytes:
+        """One framed message body of at most ``limit`` bytes; the length is checked from the
+        prefix before any of the body is read. Raises :class:`MessageTooLarge`,
+        :class:`PeerClosed`."""
+        try:
+            (n,) = _PREFIX.unpack(await reader.readexactly(P.LENGTH_PREFIX_BYTES))
+            conn.bytes_in += P.LENGTH_PREFIX_BYTES
+            if n > limit:
+                self._count("frames_oversized")
+                raise MessageTooLarge(f"peer announced a {n}-byte message; this service accepts "
+                                      f"at most {limit} bytes here")
+            body = await reader.readexactly(n) if n else b""
+        except asyncio.IncompleteReadError as exc:
+            where = "between messages" if not exc.partial else "mid-message"
+            raise PeerClosed(f"connection closed by peer ({where})") from None
+        conn.bytes_in += n
+        return body
+
+    async def _room(self, conn: _Conn) -> None:
+        """Wait until ``conn`` may queue one more request (``max_pending`` of its own,
+        ``max_queue`` in all): until then its socket is not read."""
+        if conn.pending < self.max_pending and self._queued < self.max_queue:
+            return
+        self._count("backpressure_waits")
+        self._waiting.add(conn)
+        try:
+            while not (conn.pending < self.max_pending and self._queued < self.max_queue):
+                conn.room.clear()
+                await conn.room.wait()
+        finally:
+            self._waiting.discard(conn)
+
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self._conns) >= self.max_connections:  # before anything is read or computed
+            self._count("connections_refused")
+            log.warning("connection from %s refused: %d connections open (max %d)",
+                        writer.get_extra_info("peername"), len(self._conns), self.max_connections)
+            writer.close()
+            return
         task = asyncio.current_task()
         self._tasks.add(task)
         conn = _Conn(next(self._ids), writer.get_extra_info("peername"), writer)
@@ -352,16 +519,21 @@ class CloudService:
         kind = "connection"
         try:
             try:
-                first = await asyncio.wait_for(aread_message(reader), self.handshake_timeout_s)
+                first = await asyncio.wait_for(self._read(reader, conn, P.MAX_FIRST_MESSAGE_BYTES),
+                                               self.handshake_timeout_s)
             except asyncio.TimeoutError:
+                self._count("handshake_timeouts")
                 log.warning("connection %d from %s: no hello within %g s; closing", conn.id,
                             conn.peer, self.handshake_timeout_s)
                 return
-            conn.bytes_in += len(first) + P.LENGTH_PREFIX_BYTES
             if is_health_probe(first):
                 kind = "health probe"
                 self._count("health_probes")
-                conn.bytes_out += write_message(writer, encode_health(self.health()))
+                token = health_probe_token(first)
+                ok = self._health_token is not None and hmac.compare_digest(token, self._health_token)
+                if token and not ok:
+                    self._count("health_auth_failures")
+                conn.bytes_out += write_message(writer, encode_health(self.health(ok)))
                 await writer.drain()
                 return
             peer_key, sid = decode_hello(first)
@@ -369,11 +541,12 @@ class CloudService:
             secure = derive_session(own, peer_key, sid, initiator=False)
             conn.bytes_out += write_message(writer, encode_welcome(own.public_bytes()))
             conn.secure = secure
+            conn.last_active = time.monotonic()
             log.debug("connection %d from %s: handshake done (session id %s)", conn.id,
                       conn.peer, sid.hex())
             while True:
-                body = await aread_message(reader)
-                conn.bytes_in += len(body) + P.LENGTH_PREFIX_BYTES
+                await self._room(conn)
+                body = await self._read(reader, conn, self.max_frame_bytes)
                 try:
                     plain = secure.open(body)
                 except FrameError as exc:
@@ -383,6 +556,7 @@ class CloudService:
                                 type(exc).__name__, exc)
                     continue
                 conn.messages_in += 1
+                conn.last_active = time.monotonic()
                 try:
                     msg = P.decode(plain)
                 except P.ProtocolError as exc:
@@ -401,6 +575,8 @@ class CloudService:
             log.info("connection %d: %s", conn.id, exc)
         finally:
             conn.closed = True
+            if conn.idle:
+                self._count("idle_closed")
             sess, conn.current = conn.current, None
             if sess is not None:
                 sess.closed = True
@@ -418,6 +594,35 @@ class CloudService:
                     "%d frames rejected", kind, conn.id, conn.bytes_in, conn.bytes_out,
                     conn.messages_in, conn.messages_out, conn.frames_rejected)
             self._tasks.discard(task)
+
+    def _enqueue(self, conn: _Conn, item: _Item) -> None:
+        """Queue a request for the worker; it holds one of ``conn``'s slots until answered."""
+        item.t, item.counted = time.monotonic(), True
+        conn.pending += 1
+        self._queued += 1
+        with self._lock:
+            self._c["queued_max"] = max(self._c["queued_max"], self._queued)
+        self._queue.put(item)
+
+    def _answer(self, sess: _Session, msg: P.Message | None, clear: bool = False) -> None:
+        """A counted request of ``sess`` is done (event loop): free its slot, send ``msg``
+        unless the session is closed (``clear``: an OPEN that failed, sent anyway, and the
+        connection has no session any more)."""
+        conn = sess.conn
+        conn.pending -= 1
+        self._queued -= 1
+        conn.last_active = time.monotonic()
+        if clear:
+            if conn.current is sess:
+                conn.current = None
+            if msg is not None:
+                conn.send(msg)
+        elif msg is not None and not sess.closed:
+            conn.send(msg)
+        conn.room.set()
+        if self._queued < self.max_queue:
+            for other in list(self._waiting):
+                other.room.set()
 
     def _dispatch(self, conn: _Conn, msg: P.Message) -> None:
         """Route one decoded request (event-loop thread)."""
@@ -443,14 +648,14 @@ class CloudService:
                                           f"(its maximum); retry later"))
                 return
             conn.current = sess
-            self._queue.put(_Item("open", sess, msg))
+            self._enqueue(conn, _Item("open", sess, msg))
         elif isinstance(msg, (P.Verify, P.Fuse, P.Auth)):
             if conn.current is None:
                 self._count("protocol_errors")
                 conn.send(P.Error("protocol", f"{type(msg).__name__.upper()} before OPEN: no "
                                               f"session is open on this connection"))
                 return
-            self._queue.put(_Item("auth" if isinstance(msg, P.Auth) else "job", conn.current, msg))
+            self._enqueue(conn, _Item("auth" if isinstance(msg, P.Auth) else "job", conn.current, msg))
         elif isinstance(msg, P.Close):
             sess, conn.current = conn.current, None
             if sess is not None:
@@ -470,10 +675,16 @@ class CloudService:
         except RuntimeError:  # loop closed: nobody to answer
             pass
 
-    @staticmethod
-    def _deliver(sess: _Session, msg: P.Message) -> None:
-        if not sess.closed:
-            sess.conn.send(msg)
+    def _reply(self, item: _Item, msg: P.Message | None, clear: bool = False) -> None:
+        """Answer a counted item once (worker): ``msg`` (None: nothing to send) goes out on
+        the event loop, which frees the item's queue slot."""
+        if item.answered or not item.counted:
+            return
+        item.answered = True
+        item.sess.answered_at = time.monotonic()
+        if isinstance(msg, P.Error) and msg.code == "limit":
+            self._count("limit_refusals")
+        self._post(self._answer, item.sess, msg, clear)
 
     def _next_item(self, deadline: float | None):
         """The next item: deferred ones first; then the queue (blocking when ``deadline`` is
@@ -502,8 +713,9 @@ class CloudService:
                     self._authorize(item)
                 else:
                     self._free(item.sess)
-            except Exception:  # noqa: BLE001 - keep serving the other sessions
+            except Exception as exc:  # noqa: BLE001 - keep serving the other sessions
                 log.exception("cloud worker: unexpected error on a %s item", item.kind)
+                self._reply(item, P.Error("internal", f"{type(exc).__name__}: {exc}"))
         with self._lock:
             left = list(self._live)
         for sess in left:
@@ -514,6 +726,7 @@ class CloudService:
         sess = item.sess
         if sess.closed:
             self._free(sess)
+            self._reply(item, None)
             return
         t0 = time.perf_counter()
         try:
@@ -531,25 +744,26 @@ class CloudService:
             sess.failed = True
             with self._lock:
                 self._live.discard(sess)
-            self._post(self._open_failed, sess, err)
+            self._reply(item, err, clear=True)
             return
         if sess.closed:  # disconnected during the prefill
             self._free(sess)
+            self._reply(item, None)
             return
         log.info("session %d (connection %d) open: %d prompt tokens, prefill %.1f ms",
                  sess.id, sess.conn.id, len(item.msg.prompt), (time.perf_counter() - t0) * 1e3)
-        opened = P.Opened(str(self.target.name), str(self.target.fingerprint),
-                          int(self.target.context_len))
-        self._post(self._deliver, sess, opened)
+        self._reply(item, P.Opened(str(self.target.name), str(self.target.fingerprint),
+                                   int(self.target.context_len)))
 
     def _authorize(self, item: _Item) -> None:
         """Apply an AUTH (evicting at once), then answer AUTHED with the tokens held."""
         sess = item.sess
         if sess.closed:
+            self._reply(item, None)
             return
         if sess.target is None:  # its OPEN failed
             self._count("protocol_errors")
-            self._post(sess.conn.send, P.Error("protocol", "no open session (OPEN failed)"))
+            self._reply(item, P.Error("protocol", "no open session (OPEN failed)"))
             return
         from edgefuse.cloud.target import SessionError
 
@@ -561,13 +775,7 @@ class CloudService:
             log.exception("session %d: target.authorize failed", sess.id)
             reply = P.Error("internal", f"target.authorize failed: {type(exc).__name__}: {exc}")
         log.info("session %d (connection %d): cache tuple %s", sess.id, sess.conn.id, item.msg.auth)
-        self._post(self._deliver, sess, reply)
-
-    @staticmethod
-    def _open_failed(sess: _Session, err: P.Error) -> None:
-        if sess.conn.current is sess:
-            sess.conn.current = None
-        sess.conn.send(err)
+        self._reply(item, reply)
 
     def _free(self, sess: _Session) -> None:
         ts, sess.target = sess.target, None
@@ -584,14 +792,49 @@ class CloudService:
             log.info("session %d (connection %d) closed after %d jobs: %d B in, %d B out so far",
                      sess.id, c.id, sess.jobs, c.bytes_in, c.bytes_out)
 
+    def _could_join(self, in_batch: set, blocked: set) -> bool:
+        """Whether a session not yet in the batch may still send a job the batch can take:
+        open, not deferred, and answered within about its own round (twice its last gap
+        between an answer and its next request, plus ``max_wait_ms``; a session with no
+        gap yet: three times ``max_wait_ms``). An idle session is not waited for."""
+        wait_s = self.max_wait_ms / 1000.0
+        now = time.monotonic()
+        with self._lock:
+            live = list(self._live)
+        for sess in live:
+            if sess in in_batch or sess in blocked or sess.closed or sess.target is None \
+                    or sess.answered_at is None:
+                continue
+            gap = sess.gap if sess.gap is not None else wait_s
+            if now - sess.answered_at <= 2 * gap + wait_s:
+                return True
+        return False
+
+    def _take(self, item: _Item) -> None:
+        """A job enters a batch (worker): note its session's gap since its last answer."""
+        sess = item.sess
+        if sess.answered_at is not None:
+            sess.gap = max(item.t - sess.answered_at, 0.0)
+
     def _run_batch(self, first: _Item) -> None:
         batch, in_batch, blocked, deferred = [first], {first.sess}, set(), []
-        deadline = time.monotonic() + self.max_wait_ms / 1000.0
+        self._take(first)
+        t_start = time.monotonic()
+        deadline = t_start + self.max_wait_ms / 1000.0
         while len(batch) < self.max_batch:
             with self._lock:
                 if len(in_batch) >= len(self._live):
                     break  # every open session is in: nobody else can add a job
-            item = self._next_item(deadline)
+            wait = self._could_join(in_batch, blocked)
+            if wait and not self._pending and self._queue.empty():
+                self._count("batch_waits")
+                t0 = time.perf_counter()
+                item = self._next_item(deadline)
+                self._count("batch_wait_us", int((time.perf_counter() - t0) * 1e6))
+                if item is None:
+                    self._count("batch_wait_timeouts")
+            else:  # only what is already queued: nothing else could join in time
+                item = self._next_item(deadline if wait else 0.0)
             if item is None:
                 break
             if item is _STOP:
@@ -601,17 +844,26 @@ class CloudService:
                 deferred.append(item)  # keep this session's order: it waits for the next batch
                 blocked.add(item.sess)
                 continue
+            self._take(item)
             batch.append(item)
             in_batch.add(item.sess)
         self._pending.extendleft(reversed(deferred))
+        try:
+            self._step(batch)
+        finally:
+            for item in batch:  # whatever went wrong, every job frees its slot
+                self._reply(item, None)
 
+    def _step(self, batch: list[_Item]) -> None:
+        """Run one batch's live jobs in one ``target.step`` and answer each."""
         run = []
         for item in batch:
             if item.sess.closed:
                 self._count("jobs_dropped")
+                self._reply(item, None)
             elif item.sess.target is None:  # its OPEN failed
                 self._count("protocol_errors")
-                self._post(item.sess.conn.send, P.Error("protocol", "no open session (OPEN failed)"))
+                self._reply(item, P.Error("protocol", "no open session (OPEN failed)"))
             else:
                 run.append(item)
         if not run:
@@ -640,19 +892,24 @@ class CloudService:
                   ",".join(type(i.msg).__name__ for i in run), ms)
         for item, reply in zip(run, replies):
             item.sess.jobs += 1
-            self._post(self._deliver, item.sess, reply)
+            self._reply(item, reply)
 
 
 # ------------------------------------------------------------------------ foreground / CLI
 
 def serve(model: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, max_batch: int = 8,
           max_wait_ms: float = 100.0, max_sessions: int = 64, threads: int | None = None,
-          max_context: int = 2048, port_file: str | None = None) -> None:
+          max_context: int = 2048, port_file: str | None = None, max_connections: int = 128,
+          idle_timeout_s: float = 300.0, handshake_timeout_s: float = 10.0,
+          max_frame_bytes: int = P.MAX_REQUEST_BYTES, max_pending: int = 4, max_queue: int = 256,
+          max_draft: int = 16, max_batch_tokens: int = 8192) -> None:
     """Load ``model`` (an :mod:`edgefuse.models` name), build a :class:`edgefuse.cloud.target.Target`
     and serve until SIGINT/SIGTERM. ``threads``: torch CPU threads (None = torch default).
-    ``port_file``: once listening, the bound port is written there (atomically).
-    Raises ``ModelSpecError`` / ``ModelFetchError`` for a model that cannot be loaded and
-    ``OSError`` when the port cannot be bound."""
+    ``port_file``: once listening, the bound port is written there (atomically). The limits
+    are :class:`CloudService`'s and the target's (``max_draft``, ``max_batch_tokens``); the
+    health token is read from ``$EDGEFUSE_CLOUD_HEALTH_TOKEN`` (unset: none).
+    Raises ``ModelSpecError`` / ``ModelFetchError`` for a model that cannot be loaded,
+    ``ValueError`` for an out-of-range limit and ``OSError`` when the port cannot be bound."""
     import torch
 
     from edgefuse.cloud.target import Target
@@ -662,11 +919,15 @@ def serve(model: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, max_
         torch.set_num_threads(int(threads))
     t0 = time.perf_counter()
     model_obj, tok = load_model(model)
-    target = Target(model_obj, tok, model, max_context=max_context)
+    target = Target(model_obj, tok, model, max_context=max_context, max_draft=max_draft,
+                    max_batch_tokens=max_batch_tokens)
     log.info("model %s loaded in %.1f s (fingerprint %s, context %d)", model,
              time.perf_counter() - t0, target.fingerprint, target.context_len)
     svc = CloudService(target, host, port, max_batch=max_batch, max_wait_ms=max_wait_ms,
-                       max_sessions=max_sessions)
+                       max_sessions=max_sessions, max_connections=max_connections,
+                       idle_timeout_s=idle_timeout_s, handshake_timeout_s=handshake_timeout_s,
+                       max_frame_bytes=max_frame_bytes, max_pending=max_pending,
+                       max_queue=max_queue, health_token=os.environ.get(HEALTH_TOKEN_ENV) or None)
 
     def ready():
         if port_file:
@@ -675,6 +936,17 @@ def serve(model: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, max_
             os.replace(tmp, port_file)
 
     svc.serve_forever(on_ready=ready)
+
+
+LIMITS = {"max_connections": int, "idle_timeout_s": float, "handshake_timeout_s": float,
+          "max_frame_bytes": int, "max_pending": int, "max_queue": int, "max_draft": int,
+          "max_batch_tokens": int}  # cloud.service.* keys passed through start_service_process
+
+
+def service_limits(svc_cfg) -> dict:
+    """The :data:`LIMITS` keyword arguments of :func:`start_service_process` from a
+    ``cloud.service`` config node (a key it lacks keeps its default)."""
+    return {k: cast(svc_cfg[k]) for k, cast in LIMITS.items() if k in svc_cfg}
 
 
 def _log_tail(path: Path | None, nbytes: int = 4000) -> str:
@@ -690,11 +962,19 @@ def start_service_process(model: str, host: str = "127.0.0.1", port: int = 0, *,
                           log_path: str | os.PathLike | None = None, timeout_s: float = 120.0,
                           log_level: str = "INFO", python: str = sys.executable,
                           env: dict | None = None,
-                          cache_dir: str | os.PathLike | None = None) -> tuple[subprocess.Popen, int]:
+                          cache_dir: str | os.PathLike | None = None,
+                          max_connections: int = 128, idle_timeout_s: float = 300.0,
+                          handshake_timeout_s: float = 10.0,
+                          max_frame_bytes: int = P.MAX_REQUEST_BYTES, max_pending: int = 4,
+                          max_queue: int = 256, max_draft: int = 16,
+                          max_batch_tokens: int = 8192) -> tuple[subprocess.Popen, int]:
     """Start ``edgefuse cloud serve`` as a child process and wait until it answers a health
     check; returns ``(process, bound port)``. ``port=0`` picks a free port. The child's
     stdout+stderr go to ``log_path`` (appended; default: a temporary file), available as
-    ``process.log_path``.
+    ``process.log_path``. The limits go to the child as ``--`` options (see
+    :class:`CloudService`); a fresh random health token goes in its environment (never on its
+    command line) and is ``process.health_token``: pass it to
+    :func:`edgefuse.cloud.link.cloud_health` for the full counters.
 
     Raises :class:`ServiceStartError` (with the log tail) if the process exits first or does
     not answer within ``timeout_s`` seconds (the process is then stopped). ``cache_dir``: the
@@ -707,6 +987,11 @@ def start_service_process(model: str, host: str = "127.0.0.1", port: int = 0, *,
     cmd = [python, "-m", "edgefuse.cli", "cloud", "serve", "--model", model, "--host", host,
            "--port", str(port), "--max-batch", str(max_batch), "--max-wait-ms", str(max_wait_ms),
            "--max-sessions", str(max_sessions), "--max-context", str(max_context),
+           "--max-connections", str(max_connections), "--idle-timeout-s", str(idle_timeout_s),
+           "--handshake-timeout-s", str(handshake_timeout_s),
+           "--max-frame-bytes", str(max_frame_bytes), "--max-pending", str(max_pending),
+           "--max-queue", str(max_queue), "--max-draft", str(max_draft),
+           "--max-batch-tokens", str(max_batch_tokens),
            "--port-file", str(port_file), "--log-level", log_level]
     if threads:
         cmd += ["--threads", str(threads)]
@@ -716,10 +1001,13 @@ def start_service_process(model: str, host: str = "127.0.0.1", port: int = 0, *,
     child_env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(_REPO_ROOT), child_env.get("PYTHONPATH", "")) if p)
     child_env.setdefault("PYTHONUNBUFFERED", "1")
+    token = secrets.token_urlsafe(24)
+    child_env[HEALTH_TOKEN_ENV] = token
     with open(log_file, "ab") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 cwd=str(_REPO_ROOT), env=child_env)
     proc.log_path = log_file
+    proc.health_token = token
     probe_host = "127.0.0.1" if host in ("0.0.0.0", "") else ("::1" if host == "::" else host)
     deadline = time.monotonic() + timeout_s
     bound = None

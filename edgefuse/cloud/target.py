@@ -24,6 +24,13 @@ session's main row (its KV re-prefilled in a separate forward before the batch w
 dropped); every later position of a sliding window gets its own row of exactly ``l_cache``
 ids (one extra forward over all such rows, last position only). Cost under a full window:
 about ``l_cache`` token-rows of forward per scored position instead of one.
+
+Limits (what one request may cost): a VERIFY drafts at most ``max_draft`` tokens, and every
+forward pass feeds at most ``max_batch_tokens`` token rows (padding included), like vLLM's
+``--max-num-batched-tokens``: the main rows of a batch and the fresh window rows are split
+over as many forwards as that takes, and a request whose own plan (re-prefill + main row +
+window rows) exceeds it is refused with ERROR ``limit`` before anything runs (its session
+goes on). So one ~1 KB VERIFY can no longer plan (γ + 1) × l_cache ≈ 522,000 token rows.
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ def tokenizer_fingerprint(tok) -> str:
 
 class SessionError(ValueError):
     """A request the target refuses; ``code`` is the protocol ERROR code (``fingerprint``,
-    ``context``, ``sync``, ``evicted``, ``protocol``)."""
+    ``context``, ``sync``, ``evicted``, ``limit``, ``protocol``)."""
 
     def __init__(self, code: str, message: str):
         super().__init__(message)
@@ -121,6 +128,20 @@ def _kv(cache: DynamicCache | None, n_layers: int, length: int) -> list[tuple[to
 def cache_layers(out) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The ``(keys, values)`` of every layer of a forward output's cache."""
     return [(layer.keys, layer.values) for layer in out.cache.layers]
+
+
+MIN_BATCH_TOKENS = 512  # the smallest max_batch_tokens: a 255-token FUSE row fits with room
+
+
+def _rows(total: int, min_rows: int) -> int:
+    """Token rows :func:`batched_forward` pads ``total`` new-token rows to (``min_rows``)."""
+    return min_rows if 1 < total < min_rows else total
+
+
+def _fed(bsz: int, longest: int, min_rows: int) -> int:
+    """Token rows one :func:`batched_forward` of ``bsz`` sequences (the longest with
+    ``longest`` new ids) feeds, padding included."""
+    return bsz * -(-_rows(bsz * longest, min_rows) // bsz)
 
 
 @torch.no_grad()
@@ -220,13 +241,28 @@ class Target:
             (1 thread, 1.5B) 1 / 2 / 3 / 4 / 8 / 32 rows took 290 / 595 / 870 / 510 / 625 /
             1320 ms: PyTorch's matrix kernels for 2-3 rows are slower than for 4.
 
+        max_draft: drafted tokens one VERIFY may carry (1..255); more is ERROR ``limit``.
+        max_batch_tokens: token rows one forward pass may feed, padding included
+            (≥ ``max_context`` and ≥ 512, so a full prompt and a 255-token FUSE fit); more
+            is split over several forwards, and one request planning more is ERROR ``limit``.
+
     Counters: ``batches`` / ``jobs`` (:meth:`step` calls that ran, requests run),
     ``reprefills`` / ``reprefill_tokens`` (fresh rows a cache tuple forced — re-prefills of a
     window whose KV was dropped, and the own rows of positions past a full window — and the
-    tokens they fed: the cost of a sliding window or of ``flag_cache`` off).
+    tokens they fed: the cost of a sliding window or of ``flag_cache`` off), ``forwards`` /
+    ``forward_tokens`` / ``forward_tokens_max`` (forward passes run, token rows fed in all,
+    the most fed to one), ``limit_refusals`` (requests refused with ERROR ``limit``).
+
+    Raises ``ValueError`` for out-of-range limits.
     """
 
-    def __init__(self, model, tok, name: str, max_context: int = 2048, min_block_rows: int = 4):
+    def __init__(self, model, tok, name: str, max_context: int = 2048, min_block_rows: int = 4,
+                 *, max_draft: int = 16, max_batch_tokens: int = 8192):
+        if not 1 <= max_draft <= P.MAX_GAMMA:
+            raise ValueError(f"max_draft must be in 1..{P.MAX_GAMMA}, got {max_draft}")
+        if max_batch_tokens < max(int(max_context), MIN_BATCH_TOKENS):
+            raise ValueError(f"max_batch_tokens ({max_batch_tokens}) must be >= max_context "
+                             f"({max_context}) and >= {MIN_BATCH_TOKENS}")
         self.model = model.eval()
         get_decoder = getattr(self.model, "get_decoder", None)
         self._body = get_decoder() if get_decoder is not None else None  # KV without the LM head
@@ -238,10 +274,22 @@ class Target:
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.pad_id = int(pad or 0)
         self.min_block_rows = int(min_block_rows)
+        self.max_draft = int(max_draft)
+        self.max_batch_tokens = int(max_batch_tokens)
         self.batches = 0
         self.jobs = 0
         self.reprefills = 0
         self.reprefill_tokens = 0
+        self.forwards = 0
+        self.forward_tokens = 0
+        self.forward_tokens_max = 0
+        self.limit_refusals = 0
+
+    def _count_forward(self, rows: int) -> None:
+        """Record one forward pass feeding ``rows`` token rows (padding included)."""
+        self.forwards += 1
+        self.forward_tokens += rows
+        self.forward_tokens_max = max(self.forward_tokens_max, rows)
 
     # -- sessions -----------------------------------------------------------------------
 
@@ -320,6 +368,7 @@ class Target:
     def _prefill(self, ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Fresh KV layers of ``ids`` (one row, positions from 0, no LM head when the model
         exposes its decoder body)."""
+        self._count_forward(_rows(len(ids), self.min_block_rows))
         if self._body is not None:
             _, kvs = batched_forward(self._body, [None], [0], [list(ids)], self.pad_id,
                                      output="last_hidden_state")
@@ -348,6 +397,10 @@ class Target:
                                f"cloud has {sess.committed}")
         if isinstance(req, P.Verify):
             new = list(req.draft)
+            if len(new) > self.max_draft:
+                self.limit_refusals += 1
+                raise SessionError("limit", f"VERIFY drafts {len(new)} tokens; this cloud "
+                                   f"verifies at most {self.max_draft} per request")
             if sess.temperature > 0 and new and np.shape(req.q_ids)[-1:] in ((0,), ()):
                 raise SessionError("protocol", "sampling session sent a draft without its q")
             if np.size(req.q_ids):
@@ -389,6 +442,14 @@ class Target:
             else:
                 ids, past = seq[w - 1:top], w - 1
         fresh = main != [] and valid < past
+        cost = ((past if fresh else 0) + (_fed(1, len(ids), self.min_block_rows) if main else 0)
+                + sum(len(r) for r in extra))
+        if cost > self.max_batch_tokens:
+            self.limit_refusals += 1
+            raise SessionError("limit", f"the request would feed {cost} token rows "
+                               f"({len(extra)} window rows of {lim} ids); this cloud runs at "
+                               f"most {self.max_batch_tokens} per forward pass: draft fewer "
+                               f"tokens or authorize a shorter window")
         return _Plan(seq, w, len(context), scores, ids, past, fresh, extra,
                      None if fresh or not main else _kv(sess.cache, self.n_layers, past))
 
@@ -421,13 +482,13 @@ class Target:
         main = [b for b, p in enumerate(plans) if p.ids is not None]
         outs: dict[int, torch.Tensor] = {}
         kvs: dict[int, list] = {}
-        if main:
-            logits, caches = batched_forward(self.model, [plans[b].layers for b in main],
-                                             [plans[b].past for b in main],
-                                             [plans[b].ids for b in main], self.pad_id,
+        for group in self._groups(main, [len(plans[b].ids) for b in main]):
+            logits, caches = batched_forward(self.model, [plans[b].layers for b in group],
+                                             [plans[b].past for b in group],
+                                             [plans[b].ids for b in group], self.pad_id,
                                              self.min_block_rows)
-            outs.update(zip(main, logits))
-            kvs.update(zip(main, caches))
+            outs.update(zip(group, logits))
+            kvs.update(zip(group, caches))
         extra = self._extra_rows([p.extra for p in plans])
         for b, j in enumerate(live):
             sess, req, plan = *jobs[j], plans[b]
@@ -444,19 +505,42 @@ class Target:
         self.jobs += len(live)
         return replies  # type: ignore[return-value]
 
+    def _groups(self, main: list[int], lens: list[int]) -> list[list[int]]:
+        """Split the main rows (plan indices ``main``, ``lens`` new ids each) into
+        consecutive groups whose padded forward feeds at most ``max_batch_tokens`` token rows
+        (each row alone fits: :meth:`_prepare` refused any that does not); counts them."""
+        groups: list[list[int]] = []
+        cur: list[int] = []
+        longest = 0
+        for b, n in zip(main, lens):
+            if cur and _fed(len(cur) + 1, max(longest, n), self.min_block_rows) > self.max_batch_tokens:
+                groups.append(cur)
+                cur, longest = [], 0
+            cur.append(b)
+            longest = max(longest, n)
+        if cur:
+            groups.append(cur)
+        for g in groups:
+            self._count_forward(_fed(len(g), max(lens[main.index(b)] for b in g), self.min_block_rows))
+        return groups
+
     def _extra_rows(self, per_plan: list[list[list[int]]]) -> list[torch.Tensor | None]:
-        """Last-position logits ``[rows, V]`` of each plan's fresh window rows: one forward
-        per distinct row length (= l_cache; equal lengths need no pads, no mask, and
-        positions start at 0)."""
+        """Last-position logits ``[rows, V]`` of each plan's fresh window rows: forwards of
+        rows of one length (= l_cache; equal lengths need no pads, no mask, and positions
+        start at 0), each feeding at most ``max_batch_tokens`` token rows."""
         by_len: dict[int, list[tuple[int, int]]] = {}
         for b, rows in enumerate(per_plan):
             for i, row in enumerate(rows):
                 by_len.setdefault(len(row), []).append((b, i))
         got: dict[tuple[int, int], torch.Tensor] = {}
         for length, keys in by_len.items():
-            ids = torch.tensor([per_plan[b][i] for b, i in keys])
-            last = self.model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[:, -1]
-            got.update(zip(keys, last))
+            per_forward = max(1, self.max_batch_tokens // length)
+            for start in range(0, len(keys), per_forward):
+                chunk = keys[start:start + per_forward]
+                ids = torch.tensor([per_plan[b][i] for b, i in chunk])
+                self._count_forward(len(chunk) * length)
+                last = self.model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[:, -1]
+                got.update(zip(chunk, last))
             self.reprefills += len(keys)
             self.reprefill_tokens += len(keys) * length
         return [torch.stack([got[(b, i)] for i in range(len(rows))]) if rows else None

@@ -4,9 +4,11 @@ Every message on the socket is ``u32 length (big-endian) ‖ body`` (``LENGTH_PR
 bytes of prefix, body at most ``MAX_MESSAGE_BYTES``). The first message decides what the
 connection is:
 
-- ``MAGIC_HEALTH`` (exactly): a health probe. The cloud answers one cleartext message, a JSON
-  object (model, fingerprint, sessions open, queue depth, batches run, uptime_s, …), and
-  closes the connection.
+- ``MAGIC_HEALTH`` (optionally followed by the service's health token): a health probe. The
+  cloud answers one cleartext message, a JSON object, and closes the connection: without the
+  token only liveness and load (status, model, sessions and connections open, queue depth,
+  uptime_s); with it every counter too (see
+  :meth:`edgefuse.cloud.service.CloudService.health`).
 - ``MAGIC_HELLO ‖ 32-byte X25519 public key ‖ u8 n ‖ n-byte session id``: the device's hello.
   The cloud answers ``MAGIC_WELCOME ‖ 32-byte X25519 public key``; both ends then call
   :func:`edgefuse.transport.derive_session` with the device as the initiator.
@@ -153,8 +155,19 @@ def decode_welcome(body: bytes) -> bytes:
 
 
 def is_health_probe(body: bytes) -> bool:
-    """Whether a connection's first message is a health probe."""
-    return bytes(body) == MAGIC_HEALTH
+    """Whether a connection's first message is a health probe (with or without a token)."""
+    return bytes(body[:len(MAGIC_HEALTH)]) == MAGIC_HEALTH
+
+
+def encode_health_probe(token: str | None = None) -> bytes:
+    """A health probe: ``MAGIC_HEALTH`` alone, or ``MAGIC_HEALTH ‖ token`` (UTF-8) to ask a
+    service started with that token for its full status."""
+    return MAGIC_HEALTH + (token.encode() if token else b"")
+
+
+def health_probe_token(body: bytes) -> bytes:
+    """The token bytes a health probe carries (``b""`` for none)."""
+    return bytes(body[len(MAGIC_HEALTH):])
 
 
 def encode_health(status: dict) -> bytes:

@@ -397,8 +397,8 @@ def test_busy_beyond_max_sessions(make_service, tiny):
 
 def test_health_fields(make_service, tiny):
     _, _, fp = tiny
-    svc = make_service(max_batch=4, max_wait_ms=2.0, max_sessions=7)
-    h = cloud_health("127.0.0.1", svc.port)
+    svc = make_service(max_batch=4, max_wait_ms=2.0, max_sessions=7, health_token="t0ken")
+    h = cloud_health("127.0.0.1", svc.port, token="t0ken")  # the full status needs the token
     assert h["status"] == "ok" and h["model"] == NAME and h["fingerprint"] == fp
     assert h["context_len"] == 1024 and h["max_batch"] == 4 and h["max_sessions"] == 7
     assert h["sessions_open"] == 0 and h["queue_depth"] == 0 and h["batches"] == 0
@@ -406,7 +406,7 @@ def test_health_fields(make_service, tiny):
     with CloudLink.connect("127.0.0.1", svc.port) as link:
         link.open(PROMPTS[0], fp)
         link.request(P.Verify(1, len(PROMPTS[0]), []), timeout_s=10)
-        h = cloud_health("127.0.0.1", svc.port)
+        h = cloud_health("127.0.0.1", svc.port, token="t0ken")
         assert h["sessions_open"] == 1 and h["batches"] == 1 and h["jobs"] == 1
     assert h["health_probes"] == 2 and h["uptime_s"] > 0
 
@@ -551,7 +551,7 @@ def test_service_process_starts_answers_and_stops_on_sigterm(tmp_path, tiny, gre
     proc, port = start_service_process(NAME, port=0, max_wait_ms=1.0, log_path=log_path,
                                        timeout_s=90)
     try:
-        h = cloud_health("127.0.0.1", port)
+        h = cloud_health("127.0.0.1", port, token=proc.health_token)
         assert h["model"] == NAME and h["fingerprint"] == fp and h["pid"] == proc.pid
         with CloudLink.connect("127.0.0.1", port) as link:
             link.open(PROMPTS[3], fp)

@@ -91,7 +91,7 @@ class Decoding(Phase):
         facts}}``. Raises :class:`DecodingError` (no device client) or
         :class:`~edgefuse.app.messages.NodeError` (the device failed); the service is stopped
         in all cases."""
-        from edgefuse.cloud.service import start_service_process, stop_service_process
+        from edgefuse.cloud.service import service_limits, start_service_process, stop_service_process
 
         cfg, out = ctx.cfg, ctx.out
         c = cfg.cloud
@@ -105,7 +105,7 @@ class Decoding(Phase):
             max_wait_ms=float(svc.max_wait_ms), max_sessions=int(svc.max_sessions),
             threads=int(svc.threads), max_context=int(svc.max_context),
             log_path=out / "cloud_service.log", timeout_s=float(svc.start_timeout_s),
-            cache_dir=cfg.paths.cache_dir)
+            cache_dir=cfg.paths.cache_dir, **service_limits(svc))
         started = time.perf_counter() - t0
         try:
             log(INFO, "cloud: partition %d (%s) decodes %d prompts in %d modes with %d sessions over %s",
@@ -116,7 +116,7 @@ class Decoding(Phase):
             raw, wall = reply.json("decoding", "records"), reply.json("decoding", "wall")
             rec = reply["decoding"]
             protection = str(rec["protection"]) if "protection" in rec else "off"
-            health = _health(str(c.host), int(port))
+            health = _health(str(c.host), int(port), proc.health_token)
         finally:
             code = stop_service_process(proc)
             if code not in (0, None):
@@ -136,12 +136,13 @@ class Decoding(Phase):
         return {"decoding": rows, "decoding_records": raw, "summary": {"cloud_service": service}}
 
 
-def _health(host: str, port: int) -> dict:
-    """The service's counters (batching, sessions, bytes), ``{}`` if it does not answer."""
+def _health(host: str, port: int, token: str | None) -> dict:
+    """The service's counters (batching, sessions, bytes; ``token``: its health token),
+    ``{}`` if it does not answer."""
     from edgefuse.cloud.link import CloudUnavailable, cloud_health
 
     try:
-        return cloud_health(host, port, timeout_s=10.0)
+        return cloud_health(host, port, timeout_s=10.0, token=token)
     except (CloudUnavailable, OSError, ValueError) as e:
         log(WARNING, "cloud: no health answer before shutdown: %s", e)
         return {}
