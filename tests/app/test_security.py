@@ -528,6 +528,31 @@ def test_an_inflated_num_examples_is_capped_and_a_foreign_alpha_refused(cfg):
     assert rows[1]["status"] == "rejected" and "lora_alpha 1000000.0 differs" in rows[1]["reason"]
 
 
+def test_a_path_like_model_name_never_reaches_the_file_system(cfg, tmp_path):
+    """Finding: a client-declared model name became a server path (adapters/round_NNN/<model>,
+    removed and rewritten). query.info claims are checked against federation.clients, so a
+    traversal name is refused and the adapter folders carry only the config's names."""
+    from edgefuse.app.server_app import save_adapters
+    from tests.app.test_strategy import info_reply
+
+    entry = cfg.federation.clients[0]
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("x")
+    s = GroupedLoRA(cfg)
+    errors = s.add_info([info_reply(1, {"partition_id": 0, "model": str(victim), "lora_rank": int(entry.lora_rank)}),
+                         info_reply(2, {"partition_id": 0, "model": "../../victim", "lora_rank": int(entry.lora_rank)})])
+    assert s.nodes == {} and len(errors) == 2 and all("query.info refused: claims" in e for e in errors)
+    s.add_info([info_reply(3, {"partition_id": 0, "model": str(entry.model), "lora_rank": int(entry.lora_rank)})])
+    _, groups = s.aggregate_train(1, [reply(3, 0, str(entry.model), int(entry.lora_rank),
+                                            one_module_state([[0.1] * 2] * int(entry.lora_rank),
+                                                             [[0.1] * int(entry.lora_rank)] * 2), n=1)], {})
+    out = tmp_path / "run"
+    save_adapters(cfg, s, groups, out, 1)
+    assert [p.name for p in (out / "adapters" / "round_001").iterdir()] == [str(entry.model)]
+    assert (victim / "keep.txt").read_text() == "x"
+
+
 def test_honest_training_stays_well_inside_the_default_bound(cfg):
     from edgefuse.data import tokenize_example
     from edgefuse.training import train_steps
