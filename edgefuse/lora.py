@@ -69,6 +69,21 @@ def attach_lora(
     return get_peft_model(model, config)
 
 
+def expected_shapes(model_config, target_modules: Sequence[str]) -> dict[str, tuple[int, int]]:
+    """``(out_features, in_features)`` of every module an adapter on ``target_modules`` wraps,
+    keyed as :func:`edgefuse.aggregation.module_shapes` keys them, from the model's config
+    alone: the model and adapter are built on the meta device (no weights, no memory), inside
+    a forked RNG (the caller's torch RNG is untouched). What the server checks every update
+    against, before any client has sent one.
+    """
+    from transformers import AutoModelForCausalLM
+
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config)
+        peft = attach_lora(model, rank=1, alpha=1.0, dropout=0.0, target_modules=target_modules, seed=0)
+        return module_shapes(_peft_lora_dict(peft))
+
+
 def _peft_lora_dict(peft_model) -> dict[str, torch.Tensor]:
     # get_peft_model_state_dict drops the adapter name; we keep only A/B weights.
     sd = get_peft_model_state_dict(peft_model)

@@ -419,6 +419,21 @@ def tiny_tokenizer(chat_template: bool = True):
     return tok
 
 
+def model_config(name: str, root: str | os.PathLike | None = None):
+    """The Hugging Face config of model spec ``name``, without loading any weights (a tiny
+    spec's config is its random model's).
+
+    Raises:
+        ModelSpecError: unknown name. ModelFetchError: a real model that is not fetched.
+    """
+    spec = get_spec(name)
+    if spec.tiny:
+        return tiny_model(spec.arch)[0].config
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(resolve_path(spec, root))
+
+
 def tiny_model(arch: str, seed: int = 0):
     """A random-weight model of ``arch`` (``llama``, ``gemma3_text``, ``qwen2``) + tokenizer.
 

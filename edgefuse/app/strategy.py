@@ -224,8 +224,13 @@ class GroupedLoRA:
             reasons = "; ".join(f"p{r['partition_id']}: {r['reason']}" for r in rows.values())
             raise NoClientSucceeded(f"round {round_idx}: no client returned a usable update ({reasons})")
         group_rows = []
+        rows_by_pid = {r["partition_id"]: r for r in rows.values()}
         for model, ups in updates.items():
             ups.sort(key=lambda u: u.partition_id)  # reply order must not change the float sums
+            if model not in self.shapes:
+                ups = self._first_shapes(model, ups, rows_by_pid)
+                if not ups:
+                    continue
             t0 = time.perf_counter()
             self.shapes.setdefault(model, module_shapes(ups[0].state))
             result = aggregate_group(ups, method=str(self.cfg.training.hetero_rank),
@@ -238,7 +243,47 @@ class GroupedLoRA:
                                "clipped": result.info.get("clipped"),
                                "aggregate_seconds": time.perf_counter() - t0,
                                "global_rank": result.global_rank, "adapter_dir": None})
+        if not group_rows:
+            raise NoClientSucceeded(f"round {round_idx}: no update had its model's module shapes")
         return sorted(rows.values(), key=lambda r: r["partition_id"]), group_rows
+
+    def config_shapes(self, model: str) -> dict[str, tuple[int, int]] | None:
+        """``(out, in)`` per LoRA module of ``model`` from its config alone
+        (:func:`edgefuse.lora.expected_shapes`), or ``None`` when the config cannot be read here."""
+        import torch
+
+        from edgefuse.config import lora_targets
+        from edgefuse.lora import expected_shapes
+        from edgefuse.models import ModelFetchError, ModelSpecError, model_config
+
+        try:
+            with torch.random.fork_rng(devices=[]):  # a tiny spec's config seeds torch
+                return expected_shapes(model_config(model, self.cfg.paths.cache_dir),
+                                       lora_targets(self.cfg, model))
+        except (ModelSpecError, ModelFetchError, OSError, ValueError) as e:
+            log(WARNING, "no reference LoRA shapes for %s from its config: %s", model, e)
+            return None
+
+    def _first_shapes(self, model: str, ups: list[ClientUpdate], rows_by_pid: dict[int, dict]) -> list[ClientUpdate]:
+        """A group's first aggregation: its updates must agree on the module shapes (they set
+        the reference for every later round). When they do not, the shapes the model's config
+        gives decide (without a readable config: the lowest partition-id's); the others are
+        rejected, and the round goes on."""
+        shapes = [module_shapes(u.state) for u in ups]
+        if all(sh == shapes[0] for sh in shapes):
+            return ups
+        ref = self.config_shapes(model) or shapes[0]
+        keep = []
+        for u, sh in zip(ups, shapes):
+            if sh == ref:
+                keep.append(u)
+                continue
+            rows_by_pid[u.partition_id].update(
+                status="rejected", reason=f"client {u.partition_id}: module shapes differ from {model}'s "
+                                          "(its config, or the group's first client)")
+            log(WARNING, "rejected the update of partition %d: its module shapes are not %s's",
+                u.partition_id, model)
+        return keep
 
     def _parse_update(self, msg: Message, node: NodeInfo):
         meta, metrics = msg.content["meta"], msg.content["metrics"]

@@ -362,14 +362,9 @@ def kv_spec(cfg, name: str):
     Raises:
         ModelSpecError / ModelFetchError: unknown or unfetched model.
     """
-    from transformers import AutoConfig
+    from edgefuse.models import model_config
 
-    from edgefuse.models import get_spec, resolve_path, tiny_model
-
-    spec = get_spec(name)
-    if spec.tiny:
-        return kv_spec_from_config(tiny_model(spec.arch)[0].config)
-    return kv_spec_from_config(AutoConfig.from_pretrained(resolve_path(spec, cfg.paths.cache_dir)))
+    return kv_spec_from_config(model_config(name, cfg.paths.cache_dir))
 
 
 def _remove_tree(path) -> None:

@@ -28,7 +28,7 @@ from flwr.app import Context, Message, Metadata, RecordDict
 from edgefuse.app.handlers import c2c
 from edgefuse.app.client_app import _load_adapter
 from edgefuse.cloud import wire
-from edgefuse.aggregation import (ClientUpdate, MalformedUpdateError, update_norm,
+from edgefuse.aggregation import (ClientUpdate, MalformedUpdateError, module_shapes, update_norm,
                                   validate_update)
 from edgefuse.config import compose, lora_targets
 from edgefuse.lora import attach_lora, get_adapter_state, set_adapter_state
@@ -551,6 +551,28 @@ def test_a_path_like_model_name_never_reaches_the_file_system(cfg, tmp_path):
     save_adapters(cfg, s, groups, out, 1)
     assert [p.name for p in (out / "adapters" / "round_001").iterdir()] == [str(entry.model)]
     assert (victim / "keep.txt").read_text() == "x"
+
+
+def test_a_round_1_update_of_another_shape_is_refused_and_the_run_goes_on(cfg):
+    """Finding: reference shapes existed only after round 1, so two round-1 updates of
+    different shapes crashed the average (and the run). Now the model's config decides,
+    even when the odd one out has the lowest partition id."""
+    from edgefuse.lora import attach_lora as attach
+
+    real = get_adapter_state(attach(tiny_model("llama", seed=0)[0], rank=1, alpha=16.0, dropout=0.0,
+                                    target_modules=lora_targets(cfg, "tiny-llama"), seed=0))
+    wrong = {k: np.zeros((v.shape[0], v.shape[1] + 3) if k.endswith("lora_A.weight") else v.shape, np.float32)
+             for k, v in real.items()}
+    nodes = {i: NodeInfo(i, i - 10, "tiny-llama", 1) for i in (10, 11, 12)}
+    s = GroupedLoRA(cfg)
+    s.nodes = dict(nodes)
+    rows, groups = s.aggregate_train(1, [reply(10, 0, "tiny-llama", 1, wrong, n=1),
+                                         reply(11, 1, "tiny-llama", 1, real, n=1),
+                                         reply(12, 2, "tiny-llama", 1, real, n=1)], {})
+    assert [r["status"] for r in rows] == ["rejected", "ok", "ok"]
+    assert "module shapes differ from tiny-llama's" in rows[0]["reason"]
+    assert groups[0]["clients"] == [1, 2]
+    assert s.shapes["tiny-llama"] == module_shapes(real)
 
 
 def test_honest_training_stays_well_inside_the_default_bound(cfg):
