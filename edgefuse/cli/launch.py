@@ -23,7 +23,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from edgefuse.app import phases
+from edgefuse.app import checkpoint, phases
 from edgefuse.cli.common import one_line, quote_override
 from edgefuse.config import CONF_DIR, ConfigError, hub_for_null_mirror, resolve_paths, validate
 from edgefuse.data import HUB, mirror_file
@@ -210,7 +210,10 @@ def hydra_main(cfg: DictConfig) -> None:
             print(f"[edgefuse] warning: the running local SuperLink ({other}) belongs to another "
                   "Python environment and runs that environment's edgefuse code; stop it "
                   "(`pkill -f flower-superlink`) to use this one.", file=sys.stderr, flush=True)
-        run_flower(cfg, pinned_overrides(cfg, task), out)
+        overrides = pinned_overrides(cfg, task)
+        if checkpoint.files(out):  # a folder of another config is refused here, in one line
+            checkpoint.latest(out, phases.compose(str(cfg.experiment.name), shlex.join(overrides)))
+        run_flower(cfg, overrides, out)
     except KeyboardInterrupt:
         print(f"[edgefuse] stopped; partial results in {out}", file=sys.stderr, flush=True)
         sys.exit(130)

@@ -362,10 +362,34 @@ def _tree(home: Path) -> list[psutil.Process]:
 def own_superlink(home: Path):
     """Environment for ``edgefuse run`` with a SuperLink of its own (``FLWR_HOME`` = ``home``,
     free ports); on exit that SuperLink and everything under it is killed and must be gone."""
+    import httpx
+
     home.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "FLWR_HOME": str(home), "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(_free_port()),
-           "FLWR_LOCAL_CONTROL_API_PORT": str(_free_port()), "EDGEFUSE_DATA_MIRROR": str(mirror_path())}
+    http, control = _free_port(), _free_port()
+    env = {**os.environ, "FLWR_HOME": str(home), "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(http),
+           "FLWR_LOCAL_CONTROL_API_PORT": str(control), "EDGEFUSE_DATA_MIRROR": str(mirror_path()),
+           "FLWR_DISABLE_UPDATE_CHECK": "1"}
+    # Started here as `flwr` would (flwr.cli.local_superlink), because `flwr` gives it only
+    # 15 s to come up, which a loaded machine can miss; `flwr run` then finds it running.
+    state = home / "local-superlink"
+    state.mkdir(exist_ok=True)
+    superlink = subprocess.Popen(
+        [str(Path(sys.executable).parent / "flower-superlink"), "--insecure", "--simulation",
+         "--isolation", "subprocess", "--control-api-address", f"127.0.0.1:{control}",
+         "--host", "127.0.0.1", "--port", str(http), "--log-file", str(state / "superlink.log"),
+         "--database", str(state / "state.db")],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert superlink.poll() is None, (state / "superlink.log").read_text()[-2000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{http}/health", timeout=1).is_success:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the SuperLink did not come up in 300 s"
+            time.sleep(0.5)
         yield env
     finally:
         seen: dict[int, psutil.Process] = {}
@@ -435,3 +459,28 @@ def test_a_sigkilled_federation_resumes_bit_for_bit(tmp_path):
 
     cfg = OmegaConf.create(b["config"])
     _same_groups(checkpoint.latest(run, cfg).groups, checkpoint.latest(ref, cfg).groups)
+
+
+def test_edgefuse_run_refuses_a_folder_of_another_config_in_one_line(tmp_path):
+    """Before `flwr` starts: exit 2, one line naming the key, the folder left as it was."""
+    if mirror_path() is None:
+        pytest.skip("no data mirror: set EDGEFUSE_DATA_MIRROR or place ../shared/data")
+    env = {**os.environ, "EDGEFUSE_DATA_MIRROR": str(mirror_path())}
+    cache, run = tmp_path / "cache", tmp_path / "run"
+    other = compose("tiny", [f"paths.cache_dir={cache}", f"data.mirror={mirror_path()}",
+                             "c2c=disabled", "training.lr=0.5"])
+    checkpoint.save(run, tiny_checkpoint(other), other)
+    (run / JSON_NAME).write_text('{"config": {}, "rounds": [], "status": "running"}\n')
+
+    def files():  # Hydra rewrites .hydra/ at every launch
+        return {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and ".hydra" not in p.parts}
+
+    before = files()
+    proc = subprocess.run([sys.executable, "-m", "edgefuse.cli", "run", "experiment=tiny", "c2c=disabled",
+                           f"paths.cache_dir={cache}", f"hydra.run.dir={run}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    err = [line for line in proc.stderr.splitlines() if line.startswith("edgefuse: error:")]
+    assert len(err) == 1 and "another config" in err[0] and "training.lr: 0.5 -> 0.01" in err[0], proc.stderr
+    assert "flwr run" not in proc.stdout  # refused before the federation started
+    assert files() == before
