@@ -51,6 +51,14 @@ def test_more_devices_than_sessions_is_refused():
     check_config(compose("tiny", ["cloud.devices=4", "cloud.service.max_sessions=4"]))
 
 
+def test_drafts_longer_than_the_service_accepts_are_refused():
+    msg = refused(["cloud.decode.gamma_max=32", "cloud.service.max_draft=16"])
+    assert msg.startswith("cloud.decode.gamma_max / gamma (32) must be <= cloud.service.max_draft (16)")
+    assert refused(["cloud.decode.gamma=20", "cloud.service.max_draft=16"]).startswith(
+        "cloud.decode.gamma_max / gamma (20)")
+    check_config(compose("tiny", ["cloud.decode.gamma_max=16", "cloud.service.max_draft=16"]))
+
+
 @pytest.mark.parametrize("override, message", [
     ("cloud.service.max_sessions=0", "cloud.service.max_sessions must be an integer >= 1, got 0"),
     ("cloud.devices=0", "cloud.devices must be an integer >= 1, got 0"),

@@ -120,7 +120,8 @@ def check_config(cfg) -> None:
 
     Raises:
         ConfigError: a ``device_model`` no client runs, an unknown mode, WAN preset or
-            drafter, more ``devices`` than ``service.max_sessions``, or an out-of-range
+            drafter, more ``devices`` than ``service.max_sessions``, a ``gamma_max`` (or fixed
+            ``gamma``) above ``service.max_draft``, or an out-of-range
             service or decoding setting; the message names the key.
     """
     from omegaconf import OmegaConf
@@ -150,6 +151,12 @@ def check_config(cfg) -> None:
     if int(cloud.devices) > int(cloud.service.max_sessions):
         raise ConfigError(f"cloud.devices ({cloud.devices}) must be <= cloud.service.max_sessions "
                           f"({cloud.service.max_sessions}): the service refuses the sessions beyond it")
+    max_draft = cloud.service.get("max_draft")
+    longest = max(int(cloud.decode.gamma_max), int(cloud.decode.gamma or 0))
+    if max_draft is not None and longest > int(max_draft):
+        raise ConfigError(f"cloud.decode.gamma_max / gamma ({longest}) must be <= cloud.service.max_draft "
+                          f"({max_draft}): the service refuses longer drafts and the device would "
+                          "fall back to edge-only")
     if float(cloud.service.max_wait_ms) < 0:
         raise ConfigError(f"cloud.service.max_wait_ms must be >= 0, got {cloud.service.max_wait_ms}")
     if int(cloud.eval.gsm8k_n) < 0 or int(cloud.eval.dolly_per_category) < 0 or \
