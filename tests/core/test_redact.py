@@ -361,7 +361,8 @@ def test_rephrase_real_qwen_keeps_placeholders(one_thread, redactor):
     assert all(PLACEHOLDER.search(t) for t in texts)  # each carries a placeholder to keep
     res = rephrase_batch(model, tok, texts)  # the default budget (96 new tokens), as the device runs it
     reworded = [r for r in res if not r.fell_back]
-    # measured: 6 of 6 reworded (the greedy try and up to two seeded sampled retries)
+    # measured: 5 of 6 reworded (greedy, then up to two seeded sampled retries); with a
+    # 48-token budget 3 of 6 (truncated outputs lose placeholders)
     assert len(reworded) >= 4, [r.reason for r in res]
     for text, r in zip(texts, res):
         if r.fell_back:
