@@ -70,7 +70,8 @@ class FuserConfig:
             scale by orders of magnitude across models (Qwen2.5's key bias gives outliers in
             the hundreds); the output still lives in the receiver's raw scale (``up``).
             Off by default: on SmolLM2 ← Qwen2.5-0.5B (60 steps) it made no measurable
-            difference (held-out 2.966 with it, 2.951 without; bench/bench_fuser_pair.py).
+            difference (bench/bench_fuser_pair.py; held-out 2.951 without it in
+            bench/results/bench_fuser_pair.json, the run with it kept no JSON).
     """
 
     bottleneck: int = 64
