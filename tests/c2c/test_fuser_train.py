@@ -263,9 +263,11 @@ def test_bad_arguments(models):
 
 
 @pytest.mark.integration
-def test_real_pair_training_lowers_the_receivers_loss(mirror):
-    """SmolLM2-135M reading Gemma-3-270M's cache (both real, fetched if missing): a short run
-    on public Dolly rows lowers the receiver's response loss on those rows (hard gates)."""
+def test_real_pair_training_fits_its_rows_and_does_not_hurt_held_out_rows(mirror):
+    """SmolLM2-135M reading Gemma-3-270M's cache (both real, fetched if missing), 8 steps on
+    16 public Dolly rows: the receiver's response loss falls on those rows and on 8 held-out
+    public rows (hard gates). Measured here: training rows 2.767 -> 2.355, held-out rows
+    2.627 -> 2.511 nats; asserted with margin (0.02)."""
     from edgefuse.config import compose
     from edgefuse.data import public_split
     from edgefuse.models import fetch, is_fetched, get_spec, load_model
@@ -276,15 +278,20 @@ def test_real_pair_training_lowers_the_receivers_loss(mirror):
     recv, rtok = load_model("smollm2-135m")
     share, stok = load_model("gemma3-270m")
     cfg = compose("default", f"data.mirror={mirror}")
-    rows = [dict(r) for r in public_split(cfg.data, 0).select(range(12))]
-    examples = build_pair_examples(rows, rtok, stok, 96)
-    assert len(examples) >= 8
+    rows = [dict(r) for r in public_split(cfg.data, 0).select(range(24))]
+    train = build_pair_examples(rows[:16], rtok, stok, 96)
+    held = build_pair_examples(rows[16:], rtok, stok, 96)
+    assert len(train) >= 12 and len(held) >= 6
+    assert not any(ex.receiver_prompt_ids == h.receiver_prompt_ids for ex in train for h in held)
     fuser = C2CFuser(kv_spec_from_config(recv.config), kv_spec_from_config(share.config),
                      FuserConfig(bottleneck=32, gate_init=1.0))
-    alone = evaluate_pair(fuser, recv, share, examples, gate="off")["loss"]
-    untrained = evaluate_pair(fuser, recv, share, examples, gate="on")["loss"]
-    assert untrained == pytest.approx(alone, abs=1e-4)  # zero-initialised projection
-    train_fuser(fuser, recv, share, examples, steps=8, batch_size=4, lr=3e-3, seed=0, progress=False)
-    fused = evaluate_pair(fuser, recv, share, examples, gate="on")["loss"]
-    print(f"SmolLM2 alone {alone:.3f}, reading Gemma-3 through the trained fuser {fused:.3f}")
-    assert fused < alone - 0.02
+    alone_train = evaluate_pair(fuser, recv, share, train, gate="off")["loss"]
+    alone_held = evaluate_pair(fuser, recv, share, held, gate="off")["loss"]
+    assert evaluate_pair(fuser, recv, share, held, gate="on")["loss"] == pytest.approx(alone_held, abs=1e-4)
+    train_fuser(fuser, recv, share, train, steps=8, batch_size=4, lr=3e-3, seed=0, progress=False)
+    fused_train = evaluate_pair(fuser, recv, share, train, gate="on")["loss"]
+    fused_held = evaluate_pair(fuser, recv, share, held, gate="on")["loss"]
+    print(f"SmolLM2 alone / reading Gemma-3: training rows {alone_train:.3f} / {fused_train:.3f}, "
+          f"held-out rows {alone_held:.3f} / {fused_held:.3f}")
+    assert fused_train < alone_train - 0.02
+    assert fused_held < alone_held - 0.02
