@@ -368,7 +368,8 @@ def own_superlink(home: Path):
     http, control = _free_port(), _free_port()
     env = {**os.environ, "FLWR_HOME": str(home), "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(http),
            "FLWR_LOCAL_CONTROL_API_PORT": str(control), "EDGEFUSE_DATA_MIRROR": str(mirror_path()),
-           "FLWR_DISABLE_UPDATE_CHECK": "1"}
+           "FLWR_DISABLE_UPDATE_CHECK": "1",  # and flower-superexec on the PATH:
+           "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
     # Started here as `flwr` would (flwr.cli.local_superlink), because `flwr` gives it only
     # 15 s to come up, which a loaded machine can miss; `flwr run` then finds it running.
     state = home / "local-superlink"
@@ -465,7 +466,10 @@ def test_edgefuse_run_refuses_a_folder_of_another_config_in_one_line(tmp_path):
     """Before `flwr` starts: exit 2, one line naming the key, the folder left as it was."""
     if mirror_path() is None:
         pytest.skip("no data mirror: set EDGEFUSE_DATA_MIRROR or place ../shared/data")
-    env = {**os.environ, "EDGEFUSE_DATA_MIRROR": str(mirror_path())}
+    home = tmp_path / "flwr-home"  # were `flwr` started after all, its SuperLink would be ours
+    env = {**os.environ, "EDGEFUSE_DATA_MIRROR": str(mirror_path()), "FLWR_HOME": str(home),
+           "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(_free_port()),
+           "FLWR_LOCAL_CONTROL_API_PORT": str(_free_port())}
     cache, run = tmp_path / "cache", tmp_path / "run"
     other = compose("tiny", [f"paths.cache_dir={cache}", f"data.mirror={mirror_path()}",
                              "c2c=disabled", "training.lr=0.5"])
@@ -476,9 +480,13 @@ def test_edgefuse_run_refuses_a_folder_of_another_config_in_one_line(tmp_path):
         return {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and ".hydra" not in p.parts}
 
     before = files()
-    proc = subprocess.run([sys.executable, "-m", "edgefuse.cli", "run", "experiment=tiny", "c2c=disabled",
-                           f"paths.cache_dir={cache}", f"hydra.run.dir={run}"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "edgefuse.cli", "run", "experiment=tiny",
+                               "c2c=disabled", f"paths.cache_dir={cache}", f"hydra.run.dir={run}"],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    finally:
+        for p in _tree(home):
+            p.kill()
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     err = [line for line in proc.stderr.splitlines() if line.startswith("edgefuse: error:")]
     assert len(err) == 1 and "another config" in err[0] and "training.lr: 0.5 -> 0.01" in err[0], proc.stderr
