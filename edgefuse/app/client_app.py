@@ -93,13 +93,18 @@ def _load_adapter(client: LocalClient, msg: Message) -> int:
 @app.query(M.INFO)
 def info(msg: Message, context: Context) -> Message:
     """Tell the server who this node is: partition-id, model, LoRA rank, its tokenizer's
-    fingerprint (clients of one model must agree) and the X25519 public key peers seal
+    fingerprint (clients of one model must agree; empty when the tokenizer cannot be loaded,
+    whose error the train reply then reports) and the X25519 public key peers seal
     Cache-to-Cache payloads with."""
     cfg = from_json(str(msg.content["config"]["cfg"]))
     entry = client_entry(cfg, int(context.node_config["partition-id"]))
+    try:
+        fingerprint = tokenizer_fingerprint(c2c.tokenizer(cfg, str(entry.model)))
+    except Exception:  # noqa: BLE001 - an unloadable model fails (and is reported) in train
+        fingerprint = ""
     reply = ConfigRecord({"partition_id": int(context.node_config["partition-id"]),
                           "model": str(entry.model), "lora_rank": int(entry.lora_rank),
-                          "tokenizer": tokenizer_fingerprint(c2c.tokenizer(cfg, str(entry.model))),
+                          "tokenizer": fingerprint,
                           "public_key": c2c.keypair(context).public_bytes()})
     return Message(RecordDict({"info": reply}), reply_to=msg)
 

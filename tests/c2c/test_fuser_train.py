@@ -263,7 +263,7 @@ def test_bad_arguments(models):
 
 
 @pytest.mark.integration
-def test_real_pair_training_fits_its_rows_and_does_not_hurt_held_out_rows(mirror):
+def test_real_pair_training_lowers_the_loss_on_training_and_held_out_rows(mirror):
     """SmolLM2-135M reading Gemma-3-270M's cache (both real, fetched if missing), 8 steps on
     16 public Dolly rows: the receiver's response loss falls on those rows and on 8 held-out
     public rows (hard gates). Measured here: training rows 2.767 -> 2.355, held-out rows
