@@ -364,9 +364,12 @@ def own_superlink(home: Path):
     free ports); on exit that SuperLink and everything under it is killed and must be gone."""
     import httpx
 
+    from edgefuse.cli.launch import FLOWER_ENV
+
     home.mkdir(parents=True, exist_ok=True)
     http, control = _free_port(), _free_port()
-    env = {**os.environ, "FLWR_HOME": str(home), "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(http),
+    # FLOWER_ENV as the launcher gives `flwr`: no `uv sync` of the app's dependencies
+    env = {**os.environ, **FLOWER_ENV, "FLWR_HOME": str(home), "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(http),
            "FLWR_LOCAL_CONTROL_API_PORT": str(control), "EDGEFUSE_DATA_MIRROR": str(mirror_path()),
            "FLWR_DISABLE_UPDATE_CHECK": "1",  # and flower-superexec on the PATH:
            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
