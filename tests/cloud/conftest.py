@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import collections
 import copy
+import socket
+import time
 
 import pytest
 import torch
 
 import edgefuse.cloud.protocol as P
 from edgefuse.cloud.service import CloudService
+from edgefuse.cloud import wire
 from edgefuse.cloud.target import SessionError, Target
+from edgefuse.transport.crypto import derive_session, generate_keypair, new_session_id
 
 
 def target_greedy(model, prompt: list[int], n: int) -> list[int]:
@@ -115,3 +119,39 @@ def start_service():
     yield start
     for svc in started:
         svc.stop()
+
+
+def wait_for(cond, timeout_s=20.0, what="condition"):
+    """Poll ``cond()`` until true; ``AssertionError`` after ``timeout_s`` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class RawClient:
+    """A device end written by hand (no CloudLink), to put arbitrary bytes on the socket."""
+
+    def __init__(self, port: int):
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        own, sid = generate_keypair(), new_session_id()
+        wire.send_message(self.sock, wire.encode_hello(own.public_bytes(), sid))
+        peer = wire.decode_welcome(wire.recv_message(self.sock))
+        self.secure = derive_session(own, peer, sid, initiator=True)
+
+    def seal(self, msg) -> bytes:
+        return self.secure.seal(P.encode(msg) if not isinstance(msg, bytes) else msg)
+
+    def send_frame(self, frame: bytes) -> None:
+        wire.send_message(self.sock, frame)
+
+    def send(self, msg) -> None:
+        self.send_frame(self.seal(msg))
+
+    def recv(self) -> P.Message:
+        return P.decode(self.secure.open(wire.recv_message(self.sock)))
+
+    def close(self):
+        self.sock.close()

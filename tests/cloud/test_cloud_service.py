@@ -21,7 +21,8 @@ from edgefuse.cloud.link import CloudLink, CloudUnavailable, cloud_health
 from edgefuse.cloud.service import CloudService, start_service_process, stop_service_process
 from edgefuse.cloud.target import Target, tokenizer_fingerprint
 from edgefuse.models import load_model, tiny_model
-from edgefuse.transport.crypto import FRAME_OVERHEAD, derive_session, generate_keypair, new_session_id
+from edgefuse.transport.crypto import FRAME_OVERHEAD
+from tests.cloud.conftest import RawClient, wait_for
 from edgefuse.transport.wan import WanProfile
 
 NAME = "tiny-qwen2"
@@ -82,38 +83,6 @@ def make_service():
     yield make
     for svc in started:
         svc.stop()
-
-
-def wait_for(cond, timeout_s=5.0, what="condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-class RawClient:
-    """A device end written by hand (no CloudLink), to put arbitrary bytes on the socket."""
-
-    def __init__(self, port: int):
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-        own, sid = generate_keypair(), new_session_id()
-        wire.send_message(self.sock, wire.encode_hello(own.public_bytes(), sid))
-        peer = wire.decode_welcome(wire.recv_message(self.sock))
-        self.secure = derive_session(own, peer, sid, initiator=True)
-
-    def seal(self, msg) -> bytes:
-        return self.secure.seal(P.encode(msg) if not isinstance(msg, bytes) else msg)
-
-    def send_frame(self, frame: bytes) -> None:
-        wire.send_message(self.sock, frame)
-
-    def recv(self) -> P.Message:
-        return P.decode(self.secure.open(wire.recv_message(self.sock)))
-
-    def close(self):
-        self.sock.close()
 
 
 # --------------------------------------------------------------------------------- wire

@@ -21,7 +21,7 @@ from edgefuse.cloud.service import (CloudService, LIMITS, service_limits, start_
 from edgefuse.cloud.target import Target, tokenizer_fingerprint
 from edgefuse.config import compose
 from edgefuse.models import tiny_model
-from edgefuse.transport.crypto import derive_session, generate_keypair, new_session_id
+from tests.cloud.conftest import RawClient, wait_for
 
 NAME = "tiny-qwen2"
 PROMPT = [5, 17, 33, 60, 91]
@@ -78,35 +78,6 @@ def serve():
     yield start
     for svc in started:
         svc.stop()
-
-
-def wait_for(cond, timeout_s=20.0, what="condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-class RawClient:
-    """A device end written by hand, to put arbitrary bytes on the socket."""
-
-    def __init__(self, port: int):
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-        own, sid = generate_keypair(), new_session_id()
-        wire.send_message(self.sock, wire.encode_hello(own.public_bytes(), sid))
-        peer = wire.decode_welcome(wire.recv_message(self.sock))
-        self.secure = derive_session(own, peer, sid, initiator=True)
-
-    def send(self, msg) -> None:
-        wire.send_message(self.sock, self.secure.seal(P.encode(msg)))
-
-    def recv(self) -> P.Message:
-        return P.decode(self.secure.open(wire.recv_message(self.sock)))
-
-    def close(self):
-        self.sock.close()
 
 
 def closed_by_peer(sock: socket.socket) -> bool:
