@@ -16,15 +16,19 @@ from pathlib import Path
 from typing import Any
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
-    """Write ``data`` to ``path`` atomically; create the parent folder if needed."""
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, mode: int | None = None) -> Path:
+    """Write ``data`` to ``path`` atomically; create the parent folder if needed.
+
+    ``mode``: the file's permission bits (e.g. ``0o600`` for a private key; the data is never
+    readable under wider bits, since the temporary file is made 0600). None keeps the mode
+    of a file it replaces, and gives a new file 0644."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # Keep the mode of a file we replace; new files get 0644 (mkstemp makes 0600).
-    try:
-        mode = path.stat().st_mode & 0o777
-    except FileNotFoundError:
-        mode = 0o644
+    if mode is None:  # keep the mode of a file we replace; new files get 0644 (mkstemp makes 0600)
+        try:
+            mode = path.stat().st_mode & 0o777
+        except FileNotFoundError:
+            mode = 0o644
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
