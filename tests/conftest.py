@@ -17,6 +17,17 @@ def mirror_path() -> Path | None:
     return None
 
 
+@pytest.fixture(scope="session", autouse=True)
+def provisioned_keys() -> Path:
+    """Identities for the cloud and 8 devices under this machine's keys root, as `edgefuse
+    run` makes them before a federation (kept if present). Returns the keys root."""
+    from edgefuse.app.device import keys_root
+    from edgefuse.transport.identity import provision
+
+    provision(keys_root(), 8)
+    return keys_root()
+
+
 @pytest.fixture
 def mirror() -> Path:
     path = mirror_path()

@@ -24,12 +24,14 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from edgefuse.app import checkpoint, phases
+from edgefuse.app.device import keys_root
 from edgefuse.cli.common import one_line, quote_override
 from edgefuse.config import CONF_DIR, ConfigError, hub_for_null_mirror, resolve_paths, validate
 from edgefuse.data import HUB, mirror_file
 from edgefuse.eval.splits import public_slices
 from edgefuse.models import ModelFetchError, ModelSpecError, get_spec, is_fetched
 from edgefuse.results import RunRecorder, load_results
+from edgefuse.transport.identity import CLOUD, provision
 
 APP_DIR = Path(__file__).resolve().parents[2]  # the Flower app: the folder with pyproject.toml
 
@@ -118,6 +120,9 @@ def run_flower(cfg: DictConfig, overrides: list[str], out: Path) -> dict:
     if not Path(flwr).exists():
         raise RunFailed("the `flwr` command is not installed: install edgefuse first (see README)")
     out.mkdir(parents=True, exist_ok=True)
+    # the operator's step: every device's and the cloud's identity, and the keys they pin
+    prints = provision(keys_root(), len(cfg.federation.clients))
+    print(f"[edgefuse] identities in {keys_root()} (cloud {prints[CLOUD]})", flush=True)
     run_config = out / "run_config.toml"
     run_config.write_text(
         "experiment = " + _toml_str(str(cfg.experiment.name)) + "\n"
