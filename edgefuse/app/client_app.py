@@ -3,7 +3,9 @@
 Message types (the ServerApp sends the resolved config in every message, and in every one
 but ``query.info`` the adapter group it is addressed to: ``adapter_model`` /
 ``adapter_rank``, checked against this node's federation entry before anything is loaded or
-applied, :func:`edgefuse.app.messages.check_group`; a mismatch is an error reply):
+applied, :func:`edgefuse.app.messages.check_group`; a mismatch is an error reply; then
+against this device's privacy floor, :func:`edgefuse.app.device.check_floor`: the server
+may tighten, never loosen, and a violation is an error reply before anything runs):
 - ``query.info``: reply with this node's partition-id, model, LoRA rank and tokenizer
   fingerprint (the tokenizer is loaded, not the model).
 - ``train``: load the round's adapter for this client (none in round 1: a seeded init),
@@ -32,6 +34,7 @@ from edgefuse.app.handlers import c2c, decoding as cloud_decode, privacy
 from edgefuse.app.handlers.local import LocalClient
 from edgefuse.app import messages as M
 from edgefuse.app.messages import check_group
+from edgefuse.app.device import check_floor
 from edgefuse.cloud.target import tokenizer_fingerprint
 from edgefuse.config import client_entry, from_json
 from edgefuse.privacy.audit import flower_mod, watch_canaries
@@ -50,11 +53,14 @@ def _client(msg: Message, context: Context) -> LocalClient:
     Raises:
         GroupMismatchError: the message names another adapter group (model, rank) than this
             node's federation entry, or none; nothing is loaded or applied.
+        FloorViolation: the message's config is looser than this device's privacy floor
+            (:func:`edgefuse.app.device.check_floor`); nothing is loaded, run or sent.
     """
     conf = msg.content["config"]
     cfg, partition_id = from_json(str(conf["cfg"])), int(context.node_config["partition-id"])
     entry = client_entry(cfg, partition_id)
     check_group(conf, str(entry.model), int(entry.lora_rank), msg.metadata.message_type)
+    check_floor(cfg, entry, context.node_config, msg.metadata.message_type)  # before anything runs
     client = LocalClient.load(cfg, partition_id, int(context.node_config["num-partitions"]))
     watch_canaries(client.cfg, client.slot["tok"])
     return client

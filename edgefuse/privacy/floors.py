@@ -1,0 +1,313 @@
+"""Device privacy floors: the least protection a device accepts, whatever the server's config says.
+
+Every message carries the server's resolved config, and the device runs what it says
+(``privacy.protection``, ``privacy.debug_text``, ``privacy.cloud_auth``, a client entry's own
+``protection:``). A :class:`PrivacyFloor` is the device's own answer to "how much less than
+that will I do": the server may **tighten** (a stricter config is simply used), never
+**loosen** — :func:`check` refuses a config below the floor with a :class:`FloorViolation`
+that names the key, the server's value, the floor and where the floor came from.
+
+The floor lives on the device: ``floors.yaml`` in its home folder (``edgefuse.app.device``),
+then node_config keys (:data:`NODE_KEYS`, e.g. ``floor-protection=redact``), each of which
+overrides the file's field. Nothing the server sends chooses either. File format (every key
+optional; unknown keys are refused)::
+
+    protection: redact      # off | redact | rephrase | both: the least for prompts toward the cloud
+    debug_text: false       # may raw private text appear in results?
+    cloud: true             # does this device talk to a cloud at all?
+    cloud_cache:            # the most the cloud may keep (privacy.cloud_auth)
+      flag_cache: true      #   may it keep anything between requests?
+      l_cache: null         #   the largest window in tokens (null = no limit)
+    c2c_share: true         # does it share KV caches / answers with peers?
+
+Defaults (no file, no keys): :data:`DEFAULT` — ``protection: redact`` (a device that never
+configured anything still refuses plain text to the cloud), ``debug_text: false``, cloud,
+cache and C2C sharing allowed (the main job's defaults pass).
+
+Protection order (a partial order): ``off < redact < both`` and ``off < rephrase < both``;
+``redact`` and ``rephrase`` are not comparable, so a floor of ``redact`` accepts ``redact``
+or ``both`` (:func:`protection_at_least`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields as dc_fields, replace
+from pathlib import Path
+from typing import Any, Collection, Mapping
+
+from edgefuse.privacy.protect import PROTECTIONS, check_mode, client_protection
+
+FLOOR_FILE = "floors.yaml"
+MAX_FLOOR_BYTES = 64 * 1024
+FIELDS = ("protection", "debug_text", "cloud_cache", "cloud", "c2c_share")
+"""The floor's fields, as :func:`check` names them."""
+NODE_KEYS = {"floor-protection": "protection", "floor-debug-text": "debug_text",
+             "floor-cloud": "cloud", "floor-flag-cache": "flag_cache",
+             "floor-l-cache": "l_cache", "floor-c2c-share": "c2c_share"}
+"""node_config key -> floor attribute (``floor-l-cache`` takes an int or ``none``)."""
+_FILE_KEYS = {"protection", "debug_text", "cloud", "cloud_cache", "c2c_share"}
+_CACHE_KEYS = {"flag_cache", "l_cache"}
+
+
+class FloorError(ValueError):
+    """A floor that cannot be read: a malformed ``floors.yaml`` or node_config floor key
+    (the message names the file or key and what is wrong)."""
+
+
+class FloorViolation(ValueError):
+    """The server's config is looser than this device's floor; nothing was run or sent."""
+
+
+def protection_at_least(mode: str, floor: str) -> bool:
+    """Whether protection ``mode`` is at least ``floor`` in the order
+    ``off < redact < both``, ``off < rephrase < both`` (redact and rephrase not comparable).
+
+    Raises:
+        ValueError: either is not one of :data:`edgefuse.privacy.protect.PROTECTIONS`.
+    """
+    mode, floor = check_mode(mode), check_mode(floor)
+    return floor == "off" or mode == floor or mode == "both"
+
+
+@dataclass(frozen=True)
+class PrivacyFloor:
+    """The least protection a device accepts.
+
+    Attributes:
+        protection: least protection of prompts toward the cloud (:func:`protection_at_least`).
+        debug_text: whether raw private text may appear in results (``privacy.debug_text``).
+        flag_cache: whether the cloud may keep anything between requests.
+        l_cache: the largest ``privacy.cloud_auth.l_cache`` (tokens), None = no limit.
+        cloud: whether this device talks to a cloud at all.
+        c2c_share: whether it shares KV caches / answers with peers.
+        sources: attribute -> where its value came from (a file path, a node_config key, or
+            ``default (no <path>)``), quoted by :class:`FloorViolation` messages.
+    """
+
+    protection: str = "redact"
+    debug_text: bool = False
+    flag_cache: bool = True
+    l_cache: int | None = None
+    cloud: bool = True
+    c2c_share: bool = True
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False)
+
+    def source(self, attr: str) -> str:
+        """Where attribute ``attr`` came from (``default`` if not recorded)."""
+        return self.sources.get(attr, "default")
+
+    def to_dict(self) -> dict:
+        """The floor in the file's format (no sources)."""
+        return {"protection": self.protection, "debug_text": self.debug_text, "cloud": self.cloud,
+                "cloud_cache": {"flag_cache": self.flag_cache, "l_cache": self.l_cache},
+                "c2c_share": self.c2c_share}
+
+
+DEFAULT = PrivacyFloor()
+_ATTRS = tuple(f.name for f in dc_fields(PrivacyFloor) if f.name != "sources")
+
+
+def _bool(value: Any, where: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    raise FloorError(f"{where}: expected true or false, got {value!r}")
+
+
+def _protection(value: Any, where: str) -> str:
+    if value is False:  # YAML 1.1 reads an unquoted `off` as false
+        return "off"
+    if not isinstance(value, str) or value not in PROTECTIONS:
+        raise FloorError(f"{where}: expected one of {', '.join(PROTECTIONS)}, got {value!r}")
+    return value
+
+
+def _l_cache(value: Any, where: str) -> int | None:
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null")):
+        return None
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**32 - 1:
+        raise FloorError(f"{where}: expected null or an integer in 0..{2**32 - 2}, got {value!r}")
+    return value
+
+
+_PARSE = {"protection": _protection, "debug_text": _bool, "flag_cache": _bool, "l_cache": _l_cache,
+          "cloud": _bool, "c2c_share": _bool}
+
+
+def parse(data: Any, where: str) -> dict:
+    """Floor attributes from a parsed ``floors.yaml`` (a mapping, or None for an empty file).
+
+    Returns:
+        ``{attribute: value}`` for the keys present (``cloud_cache`` flattened into
+        ``flag_cache`` / ``l_cache``).
+
+    Raises:
+        FloorError: not a mapping, an unknown key, or a value of the wrong type; the message
+            starts with ``where`` and names the key.
+    """
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        raise FloorError(f"{where}: expected a mapping of floor keys, got {type(data).__name__}")
+    unknown = sorted(str(k) for k in data if k not in _FILE_KEYS)
+    if unknown:
+        raise FloorError(f"{where}: unknown keys {unknown}; known: {', '.join(sorted(_FILE_KEYS))}")
+    out = {}
+    for key, value in data.items():
+        if key == "cloud_cache":
+            if not isinstance(value, Mapping):
+                raise FloorError(f"{where}: cloud_cache: expected a mapping with flag_cache / l_cache, "
+                                 f"got {value!r}")
+            bad = sorted(str(k) for k in value if k not in _CACHE_KEYS)
+            if bad:
+                raise FloorError(f"{where}: cloud_cache: unknown keys {bad}; known: flag_cache, l_cache")
+            for k, v in value.items():
+                out[k] = _PARSE[k](v, f"{where}: cloud_cache.{k}")
+        else:
+            out[key] = _PARSE[key](value, f"{where}: {key}")
+    return out
+
+
+def load(path: str | Path | None = None, node_config: Mapping | None = None) -> PrivacyFloor:
+    """The floor of a device: :data:`DEFAULT`, then ``path`` (a ``floors.yaml``) if it exists,
+    then the node_config keys of :data:`NODE_KEYS`, each overriding the field it names.
+
+    Args:
+        path: the device's ``floors.yaml`` (absent file = defaults); None = no file.
+        node_config: the node's own config (``flower-supernode --node-config``), or None.
+
+    Returns:
+        A :class:`PrivacyFloor` whose ``sources`` say where each field came from.
+
+    Raises:
+        FloorError: the file is not a regular file, is larger than :data:`MAX_FLOOR_BYTES`,
+            is not UTF-8 YAML, or holds a bad key or value; or a node_config floor key is bad.
+    """
+    import yaml
+
+    values: dict = {}
+    sources = {a: "default" if path is None else f"default (no {path})" for a in _ATTRS}
+    if path is not None:
+        p = Path(path)
+        if p.exists():
+            if not p.is_file():
+                raise FloorError(f"{p}: not a regular file")
+            if p.stat().st_size > MAX_FLOOR_BYTES:
+                raise FloorError(f"{p}: {p.stat().st_size} bytes, more than a floor file may hold "
+                                 f"({MAX_FLOOR_BYTES})")
+            try:
+                data = yaml.safe_load(p.read_bytes().decode("utf-8"))
+            except (UnicodeDecodeError, yaml.YAMLError) as e:
+                raise FloorError(f"{p}: not valid YAML ({str(e).splitlines()[0]})") from None
+            got = parse(data, str(p))
+            values.update(got)
+            sources.update({a: str(p) for a in got})
+    for key, attr in NODE_KEYS.items():
+        if node_config is not None and key in node_config:
+            where = f"node_config {key}"
+            values[attr] = _PARSE[attr](node_config[key], where)
+            sources[attr] = where
+    return replace(DEFAULT, **values, sources=sources)
+
+
+def _cfg_get(cfg, *keys, default=None):
+    """``cfg.k1.k2...`` through mappings with ``.get``; ``default`` where a level is missing."""
+    node = cfg
+    for k in keys:
+        if node is None or not hasattr(node, "get"):
+            return default
+        node = node.get(k, None)
+    return default if node is None else node
+
+
+def _server_protection(cfg, entry, entry_key: str) -> tuple[str, str]:
+    """(the server's protection for this client, the config setting that decides it)."""
+    if not _cfg_get(cfg, "privacy", "enabled", default=True):
+        return "off", "privacy.enabled=false (protection 'off')"
+    if entry is not None and hasattr(entry, "get") and entry.get("protection", None) is not None:
+        key = f"{entry_key}.protection"
+    else:
+        key = "privacy.protection"
+    try:
+        mode = client_protection(cfg, entry)
+    except ValueError as e:
+        raise FloorViolation(f"protection: the server's {key}: {e}") from None
+    return mode, f"{key}={mode!r}"
+
+
+def violations(cfg, entry, floor: PrivacyFloor, fields: Collection[str] = FIELDS,
+               requests: Collection[str] = (), entry_key: str = "federation.clients[this device]") -> list[str]:
+    """The ways ``cfg`` is looser than ``floor`` in ``fields`` (one line each; empty = none).
+
+    ``requests`` names the capabilities (``cloud``, ``c2c_share``) the message itself would
+    use, whatever the config says (a decoding request contacts the cloud even if
+    ``cloud.enabled`` is false); without it the config's ``cloud.enabled`` / ``c2c.enabled``
+    count as the server's value.
+
+    Raises:
+        ValueError: a field not in :data:`FIELDS`.
+    """
+    bad = sorted(set(fields) - set(FIELDS)) + sorted(set(requests) - {"cloud", "c2c_share"})
+    if bad:
+        raise ValueError(f"unknown floor fields {bad}; known: {', '.join(FIELDS)}")
+    out = []
+
+    def show(v) -> str:
+        return "null" if v is None else str(v).lower() if isinstance(v, bool) else repr(v)
+
+    def refuse(name: str, server: str, attr: str) -> None:
+        out.append(f"{name}: the server's {server} is looser than this device's floor "
+                   f"{attr}={show(getattr(floor, attr))} (from {floor.source(attr)})")
+
+    if "protection" in fields:
+        mode, said = _server_protection(cfg, entry, entry_key)
+        if not protection_at_least(mode, floor.protection):
+            refuse("protection", said, "protection")
+    if "debug_text" in fields:
+        value = _cfg_get(cfg, "privacy", "debug_text", default=False)
+        if bool(value) and not floor.debug_text:  # any truthy value is raw text in results
+            refuse("debug_text", f"privacy.debug_text={show(value)}", "debug_text")
+    if "cloud_cache" in fields:
+        flag = _cfg_get(cfg, "privacy", "cloud_auth", "flag_cache", default=True)
+        lc = _cfg_get(cfg, "privacy", "cloud_auth", "l_cache", default=None)
+        if not isinstance(flag, bool):
+            out.append(f"cloud_cache: the server's privacy.cloud_auth.flag_cache={flag!r} is not a bool")
+        elif flag and not floor.flag_cache:
+            refuse("cloud_cache", "privacy.cloud_auth.flag_cache=true", "flag_cache")
+        if lc is not None and (isinstance(lc, bool) or not isinstance(lc, int) or lc < 0):
+            out.append(f"cloud_cache: the server's privacy.cloud_auth.l_cache={lc!r} is not null or "
+                       "an integer >= 0")
+        elif floor.l_cache is not None and (lc is None or lc > floor.l_cache):
+            refuse("cloud_cache", f"privacy.cloud_auth.l_cache={show(lc)}", "l_cache")
+    for name, section in (("cloud", "cloud"), ("c2c_share", "c2c")):
+        if name not in fields or getattr(floor, name):
+            continue
+        if name in requests:
+            what = "contacts the cloud" if name == "cloud" else "shares with a peer"
+            out.append(f"{name}: the server's message {what}, looser than this device's floor "
+                       f"{name}=false (from {floor.source(name)})")
+        elif _cfg_get(cfg, section, "enabled", default=False):
+            refuse(name, f"{section}.enabled=true", name)
+    return out
+
+
+def check(cfg, entry, floor: PrivacyFloor, fields: Collection[str] = FIELDS,
+          requests: Collection[str] = (), entry_key: str = "federation.clients[this device]") -> None:
+    """Refuse a server config looser than ``floor`` (see :func:`violations` for ``fields``
+    and ``requests``); a stricter one passes and is used as it is.
+
+    Args:
+        cfg: the server's resolved config (``privacy.*``, ``cloud.enabled``, ``c2c.enabled``).
+        entry: this device's ``federation.clients`` entry (its own ``protection:`` counts).
+        floor: this device's :class:`PrivacyFloor`.
+
+    Raises:
+        FloorViolation: one line per violation, each naming the floor field, the config key,
+            the server's value, the floor's value and the file (or node_config key) it came from.
+    """
+    found = violations(cfg, entry, floor, fields, requests, entry_key)
+    if found:
+        raise FloorViolation("the server's config is below this device's privacy floor: " + "; ".join(found))
