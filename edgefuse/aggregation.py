@@ -20,6 +20,13 @@ fusers later need unmodified. FlexLoRA keeps every client at its own rank (its m
 budget), is exact in the aggregated ``ΔW`` before truncation, and the truncation is the
 optimal rank-``r`` approximation (Eckart-Young) whose relative error we report.
 
+Robust aggregation (``training.robust``): FedAvg lets one client move every coordinate of
+the average by ``1/n`` of whatever it sends (up to the update-norm bound). The
+coordinate-wise trimmed mean and median of Yin et al. (ICML 2018, "Byzantine-robust
+distributed learning: towards optimal statistical rates") replace the mean, per coordinate,
+by a statistic that a minority of clients cannot drag outside the honest clients' range;
+see :func:`coordinate_trimmed_mean`, :func:`coordinate_median` and :func:`aggregate_group`.
+
 Plain numpy/torch; no Flower imports.
 """
 
@@ -35,6 +42,7 @@ A_SUFFIX = ".lora_A.weight"
 B_SUFFIX = ".lora_B.weight"
 METHODS = ("flexlora",)
 EQUAL_RANK = ("flexlora", "fedavg")  # training.equal_rank
+ROBUST = ("none", "trimmed_mean", "median")  # training.robust
 
 
 class MalformedUpdateError(ValueError):
@@ -71,8 +79,9 @@ class GroupResult:
         global_state: the state at the group's largest rank (what the server saves).
         global_rank: rank of ``global_state``.
         global_alpha: alpha of ``global_state``.
-        info: ``{"method": "fedavg" | "flexlora", ...}``; FlexLoRA adds
-            ``"truncation_error": {rank: mean relative Frobenius error}``.
+        info: ``{"method": "fedavg" | "flexlora", "robust": rule, "trimmed_per_end": k,
+            ...}``; FlexLoRA adds ``"truncation_error": {rank: mean relative Frobenius
+            error}``, a clipped aggregate ``"clipped": {rank: norm before}``.
     """
 
     per_client: dict[int, dict[str, np.ndarray]]
@@ -288,6 +297,198 @@ def fedavg(states: list[dict[str, np.ndarray]], weights: list[float]) -> dict[st
     return out
 
 
+def trim_count(n: int, fraction: float) -> int:
+    """How many values the trimmed mean cuts from EACH end of ``n``: ``floor(fraction · n)``.
+
+    A product just below an integer from float rounding (``0.29 · 100``) counts as that
+    integer. 0 (e.g. ``n < 4`` at ``fraction = 0.25``) means nothing is cut: the trimmed
+    mean is then the plain unweighted mean, with no protection at all.
+
+    Raises:
+        ValueError: ``n < 1``, or ``fraction`` outside ``[0, 0.5)`` (at 0.5 nothing would be
+            left).
+    """
+    if not (isinstance(fraction, (int, float)) and 0.0 <= fraction < 0.5):
+        raise ValueError(f"trim fraction must be in [0, 0.5), got {fraction!r}")
+    if n < 1:
+        raise ValueError(f"need at least one value to trim, got n={n}")
+    return int(math.floor(fraction * n + 1e-9))
+
+
+def coordinate_trimmed_mean(x: np.ndarray, k: int) -> np.ndarray:
+    """Coordinate-wise ``k``-trimmed mean over axis 0 (Yin et al., 2018, Definition 2).
+
+    Per coordinate, the ``n`` client values are sorted, the ``k`` smallest and the ``k``
+    largest dropped, and the remaining ``n - 2k`` averaged (unweighted). Up to ``k``
+    malicious clients cannot move a coordinate outside the honest clients' range there.
+
+    Args:
+        x: ``[n, *shape]``, one slice per client.
+        k: values cut from each end, ``0 <= 2k < n`` (``k = 0``: the plain mean).
+
+    Returns:
+        ``[*shape]`` float64.
+
+    Raises:
+        ValueError: ``k < 0`` or ``2k >= n``.
+    """
+    n = x.shape[0]
+    if k < 0 or 2 * k >= n:
+        raise ValueError(f"cannot cut {k} from each end of {n} values")
+    srt = np.sort(np.asarray(x, dtype=np.float64), axis=0)
+    return srt[k:n - k].mean(axis=0)
+
+
+def coordinate_median(x: np.ndarray) -> np.ndarray:
+    """Coordinate-wise median over axis 0 (Yin et al., 2018, Definition 1); for an even
+    ``n``, the mean of the two middle values (``numpy.median``). Tolerates up to
+    ``ceil(n / 2) - 1`` malicious clients per coordinate; for ``n = 4`` it equals the
+    trimmed mean with ``k = 1``, for ``n <= 2`` the plain mean.
+
+    Args:
+        x: ``[n, *shape]``, one slice per client (``n >= 1``).
+
+    Returns:
+        ``[*shape]`` float64.
+    """
+    return np.median(np.asarray(x, dtype=np.float64), axis=0)
+
+
+def robust_combine(x: np.ndarray, rule: str, trim_fraction: float = 0.25) -> tuple[np.ndarray, int]:
+    """``x`` ``[n, *shape]`` -> ``([*shape] float64, values cut from each end)`` with ``rule``
+    ``"trimmed_mean"`` (``k = trim_count(n, trim_fraction)``) or ``"median"``
+    (``(n - 1) // 2`` cut from each end, as a median does).
+
+    Raises:
+        ValueError: an unknown ``rule`` (``"none"`` included: that is the weighted mean,
+            :func:`fedavg`), or a ``trim_fraction`` :func:`trim_count` refuses.
+    """
+    n = x.shape[0]
+    if rule == "trimmed_mean":
+        k = trim_count(n, trim_fraction)
+        return coordinate_trimmed_mean(x, k), k
+    if rule == "median":
+        return coordinate_median(x), (n - 1) // 2
+    raise ValueError(f"unknown robust rule {rule!r}; valid: trimmed_mean, median")
+
+
+def robust_states(states: list[dict[str, np.ndarray]], rule: str,
+                  trim_fraction: float = 0.25) -> tuple[dict[str, np.ndarray], int]:
+    """Coordinate-wise trimmed mean or median of each tensor over the clients
+    (:func:`robust_combine`), the robust replacement of :func:`fedavg`. Unweighted: example
+    counts are the clients' own claims, and a weighted median would let one client's claimed
+    weight decide each coordinate; honest clients all train ``steps_per_round × batch_size``
+    rows (the server's cap), so their weights are equal anyway.
+
+    Args:
+        states: key -> array dicts with identical keys and shapes (``n >= 1`` of them).
+
+    Returns:
+        ``(key -> float32 array, values cut from each end per coordinate)``.
+
+    Raises:
+        ValueError: no states, keys/shapes that differ between states, or as
+            :func:`robust_combine`.
+    """
+    if not states:
+        raise ValueError("robust aggregation needs at least one state")
+    keys = set(states[0])
+    out, k = {}, 0
+    for key in sorted(keys):
+        shape = np.shape(states[0][key])
+        for i, s in enumerate(states):
+            if set(s) != keys:
+                raise ValueError(f"state {i} has different keys from state 0")
+            if np.shape(s[key]) != shape:
+                raise ValueError(f"{key}: shape {np.shape(s[key])} in state {i}, {shape} in state 0")
+        value, k = robust_combine(np.stack([s[key] for s in states]), rule, trim_fraction)
+        out[key] = value.astype(np.float32)
+    return out, k
+
+
+def _refactor(u_full: torch.Tensor, sigma: torch.Tensor, vh_full: torch.Tensor, tol: float,
+              module: str, target_ranks: list[int], target_alphas: list[float],
+              states: list[dict[str, np.ndarray]], errors: np.ndarray) -> None:
+    """Write the rank-``r`` factors of ``ΔW = U diag(σ) Vh`` (``u_full`` ``[out, k]``,
+    ``vh_full`` ``[k, in]``, ``σ`` descending) into ``states[t]`` for each target, and the
+    relative truncation errors into ``errors[t]`` (see :func:`flexlora`)."""
+    live = sigma > tol
+    energy = (sigma.double() ** 2).flip(0).cumsum(0).flip(0)  # energy[i] = Σ_{j>=i} σ_j²
+    total = float(energy[0]) if len(energy) else 0.0
+    for t, (r, alpha) in enumerate(zip(target_ranks, target_alphas)):
+        if r > len(sigma):
+            raise ValueError(f"{module}: target rank {r} exceeds the {len(sigma)} "
+                             f"available (min of out, in and the sum of client ranks)")
+        root = torch.where(live[:r], sigma[:r].sqrt(), 0.0) / math.sqrt(alpha / r)
+        b = u_full[:, :r] * root
+        a = torch.where(live[:r, None], root[:, None] * vh_full[:r], vh_full[:r])
+        states[t][module + A_SUFFIX] = a.contiguous().numpy()
+        states[t][module + B_SUFFIX] = b.contiguous().numpy()
+        tail = float(energy[r]) if r < len(energy) else 0.0
+        errors[t] = math.sqrt(max(tail, 0.0) / total) if total > 0 else 0.0
+
+
+def _check_same_modules(updates: list[ClientUpdate]) -> list[str]:
+    modules = sorted(module_shapes(updates[0].state))
+    for u in updates[1:]:
+        if sorted(module_shapes(u.state)) != modules:
+            raise ValueError(f"client {u.partition_id}: module set differs from client "
+                             f"{updates[0].partition_id}")
+    return modules
+
+
+def robust_flexlora(
+    updates: list[ClientUpdate],
+    target_ranks: list[int],
+    target_alphas: list[float],
+    rule: str,
+    trim_fraction: float = 0.25,
+) -> tuple[list[dict[str, np.ndarray]], dict]:
+    """FlexLoRA with a robust combination of the clients' products: per module, the
+    coordinate-wise trimmed mean or median (:func:`robust_combine`, unweighted) of
+    ``ΔW_k = s_k B_k A_k`` ``[out, in]``, then the best rank-``r`` factors of that ``ΔW``
+    for each target, as :func:`flexlora` gives them.
+
+    Why the products and not the factors: clients of different ranks have factors of
+    different shapes, and even at one rank ``(B G)(G⁻¹ A)`` is the same update for any
+    invertible ``G``, so a coordinate of ``A`` or ``B`` means nothing across clients; a
+    coordinate of ``ΔW`` is one weight of the model, the same for everyone. The robust ``ΔW``
+    is in general of full rank (a median is not linear), so its truncation error is larger
+    than plain FlexLoRA's (reported the same way). Each client's ``ΔW_k`` is formed one module
+    at a time (``n × out × in`` floats at once) and the SVD is of ``[out, in]``.
+
+    Returns:
+        ``(states, info)`` as :func:`flexlora`, with ``info["trimmed_per_end"]``.
+
+    Raises:
+        ValueError: as :func:`flexlora` and :func:`robust_combine`.
+    """
+    if not updates:
+        raise ValueError("robust_flexlora needs at least one update")
+    if len(target_ranks) != len(target_alphas) or not target_ranks:
+        raise ValueError("target_ranks and target_alphas must be non-empty and the same length")
+    modules = _check_same_modules(updates)
+    states: list[dict[str, np.ndarray]] = [{} for _ in target_ranks]
+    errors = np.zeros((len(modules), len(target_ranks)))
+    k = 0
+    for m, module in enumerate(modules):
+        try:
+            dws = np.stack([float(u.alpha / u.rank)
+                            * (np.asarray(u.state[module + B_SUFFIX], dtype=np.float32)
+                               @ np.asarray(u.state[module + A_SUFFIX], dtype=np.float32))
+                            for u in updates])  # [n, out, in]
+        except ValueError as e:
+            raise ValueError(f"{module}: shapes differ between clients ({e})") from None
+        dw, k = robust_combine(dws, rule, trim_fraction)
+        dw_t = torch.from_numpy(dw.astype(np.float32))
+        u_full, sigma, vh_full = torch.linalg.svd(dw_t, full_matrices=False)
+        tol = float(sigma.max()) * max(dw_t.shape) * float(np.finfo(np.float32).eps) if len(sigma) else 0.0
+        _refactor(u_full, sigma, vh_full, tol, module, target_ranks, target_alphas, states, errors[m])
+    info = {"method": "flexlora", "trimmed_per_end": k,
+            "truncation_error": {int(r): float(e) for r, e in zip(target_ranks, errors.mean(0))}}
+    return states, info
+
+
 def flexlora(
     updates: list[ClientUpdate],
     target_ranks: list[int],
@@ -330,11 +531,7 @@ def flexlora(
         raise ValueError("target_ranks and target_alphas must be non-empty and the same length")
     n = np.array([u.num_examples for u in updates], dtype=np.float64)
     w = n / n.sum()
-    modules = sorted(module_shapes(updates[0].state))
-    for u in updates[1:]:
-        if sorted(module_shapes(u.state)) != modules:
-            raise ValueError(f"client {u.partition_id}: module set differs from client "
-                             f"{updates[0].partition_id}")
+    modules = _check_same_modules(updates)
     states: list[dict[str, np.ndarray]] = [{} for _ in target_ranks]
     errors = np.zeros((len(modules), len(target_ranks)))
     for m, module in enumerate(modules):
@@ -352,20 +549,7 @@ def flexlora(
         u_full, vh_full = q_b @ u_small, vh_small @ q_a.T  # [out, k], [k, in]
         # Singular values below float32 noise count as zero (numpy matrix_rank's tolerance).
         tol = float(sigma.max()) * max(r_b.shape + r_a.shape) * float(np.finfo(np.float32).eps)
-        live = sigma > tol
-        energy = (sigma.double() ** 2).flip(0).cumsum(0).flip(0)  # energy[i] = Σ_{j>=i} σ_j²
-        total = float(energy[0]) if len(energy) else 0.0
-        for t, (r, alpha) in enumerate(zip(target_ranks, target_alphas)):
-            if r > len(sigma):
-                raise ValueError(f"{module}: target rank {r} exceeds the {len(sigma)} "
-                                 f"available (min of out, in and the sum of client ranks)")
-            root = torch.where(live[:r], sigma[:r].sqrt(), 0.0) / math.sqrt(alpha / r)
-            b = u_full[:, :r] * root
-            a = torch.where(live[:r, None], root[:, None] * vh_full[:r], vh_full[:r])
-            states[t][module + A_SUFFIX] = a.contiguous().numpy()
-            states[t][module + B_SUFFIX] = b.contiguous().numpy()
-            tail = float(energy[r]) if r < len(energy) else 0.0
-            errors[m, t] = math.sqrt(max(tail, 0.0) / total) if total > 0 else 0.0
+        _refactor(u_full, sigma, vh_full, tol, module, target_ranks, target_alphas, states, errors[m])
     info = {"method": "flexlora",
             "truncation_error": {int(r): float(e) for r, e in zip(target_ranks, errors.mean(0))}}
     return states, info
@@ -388,7 +572,8 @@ def clip_state(state: dict[str, np.ndarray], rank: int, alpha: float,
 
 
 def aggregate_group(updates: list[ClientUpdate], method: str = "flexlora",
-                    max_norm: float | None = None, equal_rank: str = "fedavg") -> GroupResult:
+                    max_norm: float | None = None, equal_rank: str = "fedavg",
+                    robust: str = "none", trim_fraction: float = 0.25) -> GroupResult:
     """Aggregate the validated updates of one base-model group.
 
     Equal ranks and alphas with ``equal_rank="fedavg"``: FedAvg of ``A`` and ``B``
@@ -398,21 +583,34 @@ def aggregate_group(updates: list[ClientUpdate], method: str = "flexlora",
     truncated to each rank); each client gets the state at its own rank and alpha, and the
     global state is at the largest ``(rank, alpha)``.
 
+    ``robust`` replaces the mean of what is averaged (Yin et al., 2018): ``"trimmed_mean"``
+    (``floor(trim_fraction · n)`` values cut from each end of every coordinate; when that is
+    0, the unweighted mean, which protects nothing) or ``"median"`` (coordinate-wise). For
+    FedAvg it is applied to ``A`` and ``B`` separately (:func:`robust_states`: the clients
+    start the round from the same adapter, so their factor coordinates line up); for FlexLoRA
+    to the products ``ΔW_k`` (:func:`robust_flexlora`). Robust rules are unweighted (see
+    :func:`robust_states`). ``info["robust"]`` names the rule and ``info["trimmed_per_end"]``
+    how many values per coordinate were cut from each end (``"none"``: 0).
+
     FlexLoRA averages what the update-norm bound bounds (``ΔW``, a convex combination, so
     its norm is at most the largest client's); FedAvg of factors does not (``A = 0`` with a
-    huge ``B`` has ``ΔW = 0`` yet meets the others' ``A`` in the average). With ``max_norm``
-    the bound also holds for what comes out: an aggregated state whose :func:`update_norm`
-    exceeds it is clipped to it (:func:`clip_state`), and ``info["clipped"]`` maps each
-    clipped rank to its norm before clipping.
+    huge ``B`` has ``ΔW = 0`` yet meets the others' ``A`` in the average), nor does a median.
+    With ``max_norm`` the bound also holds for what comes out: an aggregated state whose
+    :func:`update_norm` exceeds it is clipped to it (:func:`clip_state`), and
+    ``info["clipped"]`` maps each clipped rank to its norm before clipping.
 
     Raises:
         ValueError: no updates, updates from different model groups, repeated partition ids,
-            or an unknown ``method`` / ``equal_rank`` (the message lists the valid ones).
+            an unknown ``method`` / ``equal_rank`` / ``robust`` (the message lists the valid
+            ones), or a ``trim_fraction`` outside ``[0, 0.5)``.
     """
     if method not in METHODS:
         raise ValueError(f"unknown aggregation method {method!r}; valid: {', '.join(METHODS)}")
     if equal_rank not in EQUAL_RANK:
         raise ValueError(f"unknown equal-rank aggregation {equal_rank!r}; valid: {', '.join(EQUAL_RANK)}")
+    if robust not in ROBUST:
+        raise ValueError(f"unknown robust aggregation {robust!r}; valid: {', '.join(ROBUST)}")
+    trim_count(1, trim_fraction)  # range check, whatever the rule
     if not updates:
         raise ValueError("aggregate_group needs at least one update")
     if len({u.model for u in updates}) > 1:
@@ -423,8 +621,11 @@ def aggregate_group(updates: list[ClientUpdate], method: str = "flexlora",
     configs = sorted({(u.rank, float(u.alpha)) for u in updates})
     global_rank, global_alpha = configs[-1]
     if len(configs) == 1 and equal_rank == "fedavg":
-        state = fedavg([u.state for u in updates], [u.num_examples for u in updates])
-        info: dict = {"method": "fedavg"}
+        if robust == "none":
+            state, k = fedavg([u.state for u in updates], [u.num_examples for u in updates]), 0
+        else:
+            state, k = robust_states([u.state for u in updates], robust, trim_fraction)
+        info: dict = {"method": "fedavg", "robust": robust, "trimmed_per_end": k}
         if max_norm is not None:
             state, norm = clip_state(state, global_rank, global_alpha, float(max_norm))
             if norm > max_norm:
@@ -432,8 +633,14 @@ def aggregate_group(updates: list[ClientUpdate], method: str = "flexlora",
         # One shared dict for every client; callers must not mutate it.
         return GroupResult(per_client={p: state for p in pids}, global_state=state,
                            global_rank=global_rank, global_alpha=global_alpha, info=info)
-    states, info = flexlora(updates, [r for r, _ in configs], [a for _, a in configs])
-    if max_norm is not None:  # FlexLoRA averages ΔW (convex), this only guards the rounding
+    ranks, alphas = [r for r, _ in configs], [a for _, a in configs]
+    if robust == "none":
+        states, info = flexlora(updates, ranks, alphas)
+        info["trimmed_per_end"] = 0
+    else:
+        states, info = robust_flexlora(updates, ranks, alphas, robust, trim_fraction)
+    info["robust"] = robust
+    if max_norm is not None:  # a convex mean of ΔW needs this only for rounding; a median more
         for i, (r, a) in enumerate(configs):
             states[i], norm = clip_state(states[i], r, a, float(max_norm))
             if norm > max_norm:

@@ -169,7 +169,8 @@ def validate(cfg: DictConfig) -> None:
             WAN preset, or an out-of-range decoding setting; an unknown protection mode (also
             per client), probe protection or layer, a non-positive probe count, an
             ``l_cache`` below 1 or a ``max_update_norm`` that is not positive; a ``device``
-            :func:`resolve_device` refuses; an unknown ``training.equal_rank``.
+            :func:`resolve_device` refuses; an unknown ``training.equal_rank`` or
+            ``training.robust``, or a ``training.trim_fraction`` outside ``[0, 0.5)``.
     """
     if "device" in cfg:
         resolve_device(cfg.device)
@@ -182,11 +183,18 @@ def validate(cfg: DictConfig) -> None:
         positive_int(c.get("lora_rank", 0), f"federation.clients[{i}].lora_rank")
     for key in ("federation.num_rounds", "training.steps_per_round", "training.batch_size"):
         positive_int(OmegaConf.select(cfg, key), key)
-    from edgefuse.aggregation import EQUAL_RANK
+    from edgefuse.aggregation import EQUAL_RANK, ROBUST
 
     equal = OmegaConf.select(cfg, "training.equal_rank", default="fedavg")
     if equal not in EQUAL_RANK:
         raise ConfigError(f"training.equal_rank must be one of {', '.join(EQUAL_RANK)}, got {equal!r}")
+    robust = OmegaConf.select(cfg, "training.robust", default="none")
+    if robust not in ROBUST:
+        raise ConfigError(f"training.robust must be one of {', '.join(ROBUST)}, got {robust!r}")
+    frac = OmegaConf.select(cfg, "training.trim_fraction", default=0.25)
+    if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 <= frac < 0.5:
+        raise ConfigError("training.trim_fraction (the share cut from each end of every "
+                          f"coordinate) must be a number in [0, 0.5), got {frac!r}")
     if cfg.get("privacy") is not None:
         _validate_privacy(cfg, cfg.privacy)
     for key in ("training.lr", "federation.round_timeout_s"):

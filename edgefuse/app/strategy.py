@@ -41,8 +41,10 @@ class NodeInfo:
     partition_id: int
     model: str
     lora_rank: int
-    public_key: bytes = b""
+    public_key: bytes = b""  # the node's X25519 C2C prekey for this run (edgefuse.c2c.handshake)
     tokenizer: str = ""  # fingerprint of the vocabulary (edgefuse.cloud.target.tokenizer_fingerprint)
+    identity_key: bytes = b""  # its Ed25519 identity, as it says: devices check it against their pins
+    prekey_signature: bytes = b""  # the identity's signature of the prekey (devices check it)
 
 
 @dataclass
@@ -91,8 +93,9 @@ class GroupedLoRA:
         """Record node identities from ``query.info`` replies; return the reasons of the
         replies refused. The server knows what each partition runs (``federation.clients``),
         so a node is recorded only when its partition id is in range and not claimed by
-        another node, its model and LoRA rank are that entry's, and its public key is an
-        X25519 key; anything else (a malformed reply included) is refused, and the node is
+        another node, its model and LoRA rank are that entry's, and its public key (C2C
+        prekey), identity key and prekey signature have X25519 / Ed25519 sizes (devices, not
+        the server, decide whether to trust them); anything else (a malformed reply included) is refused, and the node is
         asked again next round.
 
         Raises:
@@ -112,6 +115,8 @@ class GroupedLoRA:
                 pid, model, rank = int(rec["partition_id"]), str(rec["model"]), int(rec["lora_rank"])
                 key = bytes(rec["public_key"]) if "public_key" in rec else b""
                 tok = str(rec["tokenizer"]) if "tokenizer" in rec else ""
+                ident = bytes(rec["identity_key"]) if "identity_key" in rec else b""
+                sig = bytes(rec["prekey_signature"]) if "prekey_signature" in rec else b""
             except (KeyError, TypeError, ValueError) as e:
                 errors.append(f"node {node_id}: malformed query.info reply ({type(e).__name__}: {e})")
                 continue
@@ -125,9 +130,12 @@ class GroupedLoRA:
                           f"{clients[pid].model} rank {clients[pid].lora_rank}")
             elif key and len(key) != PUBLIC_KEY_BYTES:
                 reason = f"public key of {len(key)} bytes (X25519 keys are {PUBLIC_KEY_BYTES})"
+            elif ident and len(ident) != PUBLIC_KEY_BYTES or sig and len(sig) != 64:
+                reason = (f"identity key of {len(ident)} bytes or prekey signature of {len(sig)} "
+                          f"bytes (Ed25519: {PUBLIC_KEY_BYTES} and 64)")
             else:
                 self._check_tokenizer(node_id, pid, model, tok)
-                self.nodes[node_id] = NodeInfo(node_id, pid, model, rank, key, tok)
+                self.nodes[node_id] = NodeInfo(node_id, pid, model, rank, key, tok, ident, sig)
                 continue
             errors.append(f"node {node_id}: query.info refused: {reason}")
         return errors
@@ -233,12 +241,21 @@ class GroupedLoRA:
                     continue
             t0 = time.perf_counter()
             self.shapes.setdefault(model, module_shapes(ups[0].state))
-            result = aggregate_group(ups, method=str(self.cfg.training.hetero_rank),
+            t = self.cfg.training
+            robust = str(t.get("robust", "none"))
+            result = aggregate_group(ups, method=str(t.hetero_rank),
                                      max_norm=self.max_update_norm,
-                                     equal_rank=str(self.cfg.training.get("equal_rank", "fedavg")))
+                                     equal_rank=str(t.get("equal_rank", "fedavg")),
+                                     robust=robust, trim_fraction=float(t.get("trim_fraction", 0.25)))
+            if robust == "trimmed_mean" and result.info["trimmed_per_end"] == 0:
+                log(WARNING, "round %d: %s: the trimmed mean of %d update(s) at trim_fraction %g "
+                            "cuts nothing (the plain unweighted mean)", round_idx, model, len(ups),
+                    float(t.get("trim_fraction", 0.25)))
             self.groups[model] = result
             group_rows.append({"model": model, "clients": sorted(u.partition_id for u in ups),
                                "method": result.info.get("method"),
+                               "robust": result.info.get("robust"),
+                               "trimmed_per_end": result.info.get("trimmed_per_end"),
                                "truncation_error": result.info.get("truncation_error"),
                                "clipped": result.info.get("clipped"),
                                "aggregate_seconds": time.perf_counter() - t0,

@@ -175,3 +175,48 @@ def test_query_info_claims_are_checked_against_the_federation(strategy):
     assert "node 7: query.info refused: public key of 12 bytes" in text
     assert "node 8: malformed query.info reply (ValueError" in text
     assert "node 9: malformed query.info reply (KeyError" in text
+
+
+@pytest.mark.parametrize("rule, trimmed, a_want, b_want", [
+    # A per coordinate: (1 2 3 10 -5) and (2 0 4 1 3); B: (1 2 3 10 -5) and (4 1 0 2 3)
+    ("trimmed_mean", 1, [[2.0, 2.0]], [[2.0], [2.0]]),   # drop 1 from each end, mean of 3
+    ("median", 2, [[2.0, 2.0]], [[2.0], [2.0]]),
+    ("none", 0, None, None),  # FedAvg, computed below from the capped weights
+])
+def test_the_robust_rule_is_applied_and_recorded_per_group(rule, trimmed, a_want, b_want):
+    s = GroupedLoRA(compose("tiny", ["privacy.max_update_norm=null", f"training.robust={rule}",
+                                     "training.trim_fraction=0.25"]))
+    s.nodes = {20 + p: NodeInfo(20 + p, p, "tiny-llama", 1) for p in range(5)}
+    a = [[1, 2], [2, 0], [3, 4], [10, 1], [-5, 3]]
+    b = [[1, 4], [2, 1], [3, 0], [10, 2], [-5, 3]]
+    n = [1, 1, 1, 13, 100]  # claims; the server caps them at steps × batch = 6 (tiny)
+    replies = [reply(20 + p, p, "tiny-llama", 1, state([a[p]], [[b[p][0]], [b[p][1]]]), n=n[p])
+               for p in range(5)]
+    rows, groups = s.aggregate_train(1, replies, {})
+    assert [r["status"] for r in rows] == ["ok"] * 5
+    assert groups[0]["method"] == "fedavg"
+    assert groups[0]["robust"] == rule and groups[0]["trimmed_per_end"] == trimmed
+    assert s.groups["tiny-llama"].info["robust"] == rule
+    g = s.groups["tiny-llama"].global_state
+    if rule == "none":  # FedAvg with the capped weights 1, 1, 1, 6, 6
+        w = np.array([1, 1, 1, 6, 6]) / 15
+        a_want = [(w[:, None] * np.array(a)).sum(0).tolist()]
+        b_want = (w[:, None] * np.array(b)).sum(0)[:, None].tolist()
+    np.testing.assert_allclose(g[f"{KEY}.lora_A.weight"], a_want, rtol=1e-6)
+    np.testing.assert_allclose(g[f"{KEY}.lora_B.weight"], b_want, rtol=1e-6)
+
+
+def test_a_trimmed_mean_that_cuts_nothing_is_recorded_and_warned(monkeypatch):
+    from edgefuse.app import strategy as strategy_mod
+
+    warned = []
+    monkeypatch.setattr(strategy_mod, "log", lambda level, msg, *args: warned.append(msg % args))
+    s = GroupedLoRA(compose("tiny", ["privacy.max_update_norm=null", "training.robust=trimmed_mean"]))
+    s.nodes = {20 + p: NodeInfo(20 + p, p, "tiny-llama", 1) for p in range(3)}
+    replies = [reply(20 + p, p, "tiny-llama", 1, state([[v, 0]], [[v], [0]]), n=6 if p else 1)
+               for p, v in enumerate([1.0, 2.0, 6.0])]
+    _, groups = s.aggregate_train(1, replies, {})
+    assert groups[0]["trimmed_per_end"] == 0
+    # floor(0.25 · 3) = 0: the unweighted mean (1 + 2 + 6) / 3, not the weighted (1 + 12 + 36) / 13
+    np.testing.assert_allclose(s.groups["tiny-llama"].global_state[f"{KEY}.lora_A.weight"], [[3.0, 0.0]])
+    assert any("the trimmed mean of 3 update(s) at trim_fraction 0.25 cuts nothing" in w for w in warned)

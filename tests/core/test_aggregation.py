@@ -304,3 +304,172 @@ def test_unknown_equal_rank_mode_is_refused_by_the_aggregator_and_at_compose():
         aggregate_group([random_update(rng, 0, 2, 4.0, 1, {"q": (4, 3)})], equal_rank="mean")
     with pytest.raises(ConfigError, match="training.equal_rank must be one of flexlora, fedavg"):
         validate(compose("tiny", ["training.equal_rank=mean"]))
+
+
+# ------------------------------------------------- robust aggregation (trimmed mean, median)
+
+FIVE = [f32([[1, 2, 3], [4, 5, 6]]), f32([[2, 0, 9], [1, 1, 1]]), f32([[3, 4, -1], [0, 8, 2]]),
+        f32([[10, 1, 0], [2, 2, 7]]), f32([[-5, 3, 4], [3, 6, 5]])]
+
+
+def test_trimmed_mean_and_median_hand_values():
+    from edgefuse.aggregation import coordinate_median, coordinate_trimmed_mean, robust_states
+
+    x = np.stack(FIVE)  # [5, 2, 3]
+    # per coordinate, sorted; k = floor(0.25 · 5) = 1 cut from each end, the middle 3 averaged:
+    # (0,0) -5 [1 2 3] 10 -> 2     (0,1) 0 [1 2 3] 4 -> 2     (0,2) -1 [0 3 4] 9 -> 7/3
+    # (1,0) 0 [1 2 3] 4 -> 2       (1,1) 1 [2 5 6] 8 -> 13/3  (1,2) 1 [2 5 6] 7 -> 13/3
+    trimmed = [[2, 2, 7 / 3], [2, 13 / 3, 13 / 3]]
+    median = [[2, 2, 3], [2, 5, 5]]  # the middle value of each sorted column above
+    np.testing.assert_allclose(coordinate_trimmed_mean(x, 1), trimmed, rtol=1e-12)
+    np.testing.assert_allclose(coordinate_median(x), median, rtol=1e-12)
+    np.testing.assert_allclose(coordinate_trimmed_mean(x, 2), median, rtol=1e-12)  # k = 2 of 5
+    np.testing.assert_allclose(coordinate_trimmed_mean(x, 0), [[2.2, 2, 3], [2, 4.4, 4.2]], rtol=1e-12)
+    states = [{"k": v} for v in FIVE]
+    out, k = robust_states(states, "trimmed_mean", 0.25)
+    assert k == 1 and out["k"].dtype == np.float32
+    np.testing.assert_allclose(out["k"], trimmed, rtol=1e-6)
+    out, k = robust_states(states, "median")
+    assert k == 2
+    np.testing.assert_allclose(out["k"], median, rtol=1e-6)
+    # an even count: the median is the mean of the two middle values, = the trimmed mean k=1
+    four = np.stack(FIVE[:4])  # (0,2): -1 [0 3] 9 -> 1.5
+    np.testing.assert_allclose(coordinate_median(four)[0, 2], 1.5)
+    np.testing.assert_allclose(coordinate_median(four), coordinate_trimmed_mean(four, 1))
+    with pytest.raises(ValueError, match="cannot cut 2 from each end of 4"):
+        coordinate_trimmed_mean(four, 2)
+
+
+def test_trim_count_is_floor_of_fraction_times_n_from_each_end():
+    from edgefuse.aggregation import trim_count
+
+    assert [trim_count(n, 0.25) for n in (1, 3, 4, 7, 8, 9)] == [0, 0, 1, 1, 2, 2]
+    assert trim_count(100, 0.29) == 29  # 0.29 · 100 = 28.999999999999996 in floats
+    assert trim_count(5, 0.4) == 2 and trim_count(5, 0.0) == 0
+    for bad in (0.5, -0.1, float("nan"), "0.25"):
+        with pytest.raises(ValueError, match=r"trim fraction must be in \[0, 0.5\)"):
+            trim_count(4, bad)
+
+
+def test_robust_rules_are_unweighted_and_recorded_in_info():
+    ups = [ClientUpdate(p, "m", 1, 1.0, n, {"q" + A: v[:1, :], "q" + B: v[:, :1]})
+           for p, (v, n) in enumerate(zip(FIVE, [1, 1, 1, 1, 10**6]))]
+    res = aggregate_group(ups, robust="median")
+    # client 4 claims a million examples: the median does not care ((0,0): median of
+    # 1 2 3 10 -5 is 2; B column 0 = (1,4) (2,1) (3,0) (10,2) (-5,3) -> medians 2, 2)
+    np.testing.assert_allclose(res.global_state["q" + A], [[2, 2, 3]])
+    np.testing.assert_allclose(res.global_state["q" + B], [[2], [2]])
+    assert res.info == {"method": "fedavg", "robust": "median", "trimmed_per_end": 2}
+    res = aggregate_group(ups[:3], robust="trimmed_mean")  # floor(0.25 · 3) = 0: the plain mean
+    assert res.info["trimmed_per_end"] == 0
+    np.testing.assert_allclose(res.global_state["q" + A], [[2, 2, 11 / 3]], rtol=1e-6)
+    assert aggregate_group(ups).info == {"method": "fedavg", "robust": "none", "trimmed_per_end": 0}
+    with pytest.raises(ValueError, match="unknown robust aggregation 'krum'; valid: none, trimmed_mean, median"):
+        aggregate_group(ups, robust="krum")
+    with pytest.raises(ValueError, match=r"trim fraction must be in \[0, 0.5\)"):
+        aggregate_group(ups, robust="trimmed_mean", trim_fraction=0.5)
+
+
+def test_robust_flexlora_is_the_best_rank_r_factor_of_the_coordinate_median_of_products():
+    from edgefuse.aggregation import robust_flexlora
+
+    rng = np.random.default_rng(5)
+    ups = [random_update(rng, p, r, 4.0, 1, {"q": (6, 5)}) for p, r in enumerate([1, 2, 2, 1, 2])]
+    products = np.stack([delta(u.state, "q", u.rank, u.alpha) for u in ups])  # [5, 6, 5]
+    for rule, want in (("median", np.median(products, axis=0)),
+                       ("trimmed_mean", np.sort(products, axis=0)[1:4].mean(0))):
+        states, info = robust_flexlora(ups, [1, 2], [4.0, 4.0], rule)
+        assert info["trimmed_per_end"] == (2 if rule == "median" else 1)
+        for state, r in zip(states, [1, 2]):
+            best, err = best_rank(want, r)
+            np.testing.assert_allclose(delta(state, "q", r, 4.0), best, atol=1e-4)
+            assert info["truncation_error"][r] == pytest.approx(err, abs=1e-5)
+    res = aggregate_group(ups, robust="median")  # different ranks: the products
+    assert res.info["method"] == "flexlora" and res.info["robust"] == "median"
+    best, _ = best_rank(np.median(products, axis=0), 2)
+    np.testing.assert_allclose(delta(res.global_state, "q", 2, 4.0), best, atol=1e-4)
+
+
+def _close_group(rng, n=4, noise=0.002):
+    """Clients that took nearly the same step from the round's adapter: honest spread small."""
+    dims = {"q": (16, 12), "v": (16, 12)}
+    sent = {k: f32(v * (0.3 if k.endswith(A) else 0.01))
+            for k, v in random_update(rng, -1, 4, 8.0, 1, dims).state.items()}
+    step = {k: rng.normal(scale=0.01, size=v.shape) for k, v in sent.items()}
+    ups = [ClientUpdate(p, "m", 4, 8.0, 10, {k: f32(v + step[k] + rng.normal(scale=noise, size=v.shape))
+                                             for k, v in sent.items()}) for p in range(n)]
+    return sent, ups
+
+
+def _relative_distance(state, ref, rank=4, alpha=8.0):
+    """‖ΔW(state) − ΔW(ref)‖_F / ‖ΔW(ref)‖_F over all modules."""
+    mods = module_shapes(ref)
+    num = sum(((delta(state, m, rank, alpha) - delta(ref, m, rank, alpha)) ** 2).sum() for m in mods)
+    return float(np.sqrt(num / sum((delta(ref, m, rank, alpha) ** 2).sum() for m in mods)))
+
+
+@pytest.mark.parametrize("sign", [1, -1], ids=["scaled", "sign_flipped"])
+@pytest.mark.parametrize("equal_rank", ["fedavg", "flexlora"])
+def test_one_malicious_client_of_four_within_the_bound_moves_fedavg_not_the_robust_rules(sign, equal_rank):
+    from edgefuse.aggregation import cross_norm, update_norm
+
+    bound = 5.0  # an honest update is ~0.3: the bound leaves a large margin to abuse
+    for seed in range(3):
+        sent, ups = _close_group(np.random.default_rng(seed))
+        honest = aggregate_group(ups[:3], equal_rank=equal_rank).global_state  # honest-only
+        st = {k: (v if k.endswith(A) else sign * v) for k, v in ups[3].state.items()}
+        worst = max(update_norm(st, 4, 8.0), cross_norm(st, sent, 4, 8.0), cross_norm(sent, st, 4, 8.0))
+        st = {k: (v if k.endswith(A) else f32(0.99 * bound / worst * v)) for k, v in st.items()}
+        bad = ClientUpdate(3, "m", 4, 8.0, 10, st)
+        validate_update(bad, "m", None, max_norm=bound, reference=sent)  # within every check
+        dist = {rule: _relative_distance(
+            aggregate_group(ups[:3] + [bad], max_norm=bound, equal_rank=equal_rank,
+                            robust=rule).global_state, honest)
+            for rule in ("none", "trimmed_mean", "median")}
+        assert dist["none"] > 2.0, dist  # FedAvg: 3-5x the honest update off
+        assert dist["trimmed_mean"] < 0.15 and dist["median"] < 0.15, dist  # honest spread only
+    if equal_rank == "fedavg":  # each coordinate stays inside the honest clients' range
+        got = aggregate_group(ups[:3] + [bad], robust="median").global_state
+        for k in got:
+            h = np.stack([u.state[k] for u in ups[:3]])
+            assert (got[k] >= h.min(0) - 1e-7).all() and (got[k] <= h.max(0) + 1e-7).all()
+
+
+def test_round_one_factor_attack_without_a_reference_is_contained_by_the_median():
+    """Round 1: no adapter was sent yet, so A = 0 with a huge B passes validation (its own
+    ‖ΔW‖ is 0) and FedAvg's aggregate is only clipped to the bound; the median of 4 ignores it."""
+    from edgefuse.aggregation import update_norm
+
+    sent, ups = _close_group(np.random.default_rng(7))
+    bad = _attacker(sent, pid=3, scale=1e4)
+    validate_update(bad, "m", None, max_norm=5.0, reference=None)
+    honest = aggregate_group(ups[:3]).global_state
+    fed = aggregate_group(ups[:3] + [bad], max_norm=5.0)
+    assert fed.info["clipped"][4] > 1e3 and update_norm(fed.global_state, 4, 8.0) == pytest.approx(5.0, rel=1e-5)
+    med = aggregate_group(ups[:3] + [bad], max_norm=5.0, robust="median")
+    assert "clipped" not in med.info
+    assert _relative_distance(fed.global_state, honest) > 10
+    assert _relative_distance(med.global_state, honest) < 0.15
+
+
+@pytest.mark.parametrize("override, message", [
+    ("training.robust=mean", "training.robust must be one of none, trimmed_mean, median, got 'mean'"),
+    ("training.robust=null", "training.robust must be one of none, trimmed_mean, median, got None"),
+    ("training.trim_fraction=0.5", r"training.trim_fraction .* must be a number in \[0, 0.5\), got 0.5"),
+    ("training.trim_fraction=-0.1", r"must be a number in \[0, 0.5\), got -0.1"),
+    ("training.trim_fraction=quarter", r"must be a number in \[0, 0.5\), got 'quarter'"),
+    ("training.trim_fraction=true", r"must be a number in \[0, 0.5\), got True"),
+])
+def test_robust_settings_are_refused_at_compose(override, message):
+    from edgefuse.config import ConfigError, compose
+
+    with pytest.raises(ConfigError, match=message):
+        compose("tiny", [override])
+
+
+def test_robust_settings_accepted_at_compose():
+    from edgefuse.config import compose
+
+    cfg = compose("tiny", ["training.robust=trimmed_mean", "training.trim_fraction=0"])
+    assert (cfg.training.robust, cfg.training.trim_fraction) == ("trimmed_mean", 0)
+    assert compose("tiny").training.robust == "none"
