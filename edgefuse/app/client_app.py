@@ -12,8 +12,8 @@ may tighten, never loosen, and a violation is an error reply before anything run
   train ``training.steps_per_round`` steps, reply with the packed adapter + metrics.
 - ``evaluate``: load the group's global adapter, reply with held-out loss/perplexity next
   to the base model's.
-- ``query.fusers`` / ``query.share`` / ``query.refine`` / ``query.answer``: Cache-to-Cache
-  (see :mod:`edgefuse.app.handlers.c2c`).
+- ``query.fusers`` / ``query.share`` / ``query.refine`` / ``query.answer`` /
+  ``query.forget``: Cache-to-Cache (see :mod:`edgefuse.app.handlers.c2c`).
 - ``query.decode``: decode prompts with the cloud LLM service in every mode
   (see :mod:`edgefuse.app.handlers.decoding`).
 - ``query.privacy``: run the privacy probe (see :mod:`edgefuse.app.handlers.privacy`).
@@ -100,8 +100,10 @@ def _load_adapter(client: LocalClient, msg: Message) -> int:
 def info(msg: Message, context: Context) -> Message:
     """Tell the server who this node is: partition-id, model, LoRA rank, its tokenizer's
     fingerprint (clients of one model must agree; empty when the tokenizer cannot be loaded,
-    whose error the train reply then reports) and the X25519 public key peers seal
-    Cache-to-Cache payloads with."""
+    whose error the train reply then reports) and, with C2C enabled, its signed prekey for
+    the run (``public_key``, ``identity_key``, ``prekey_signature``:
+    :func:`edgefuse.app.handlers.c2c.signed_prekey`; the private part stays in
+    ``context.state``)."""
     cfg = from_json(str(msg.content["config"]["cfg"]))
     entry = client_entry(cfg, int(context.node_config["partition-id"]))
     try:
@@ -111,8 +113,15 @@ def info(msg: Message, context: Context) -> Message:
     reply = ConfigRecord({"partition_id": int(context.node_config["partition-id"]),
                           "model": str(entry.model), "lora_rank": int(entry.lora_rank),
                           "tokenizer": fingerprint,
-                          "public_key": c2c.keypair(context).public_bytes()})
+                          **(c2c.signed_prekey(context) if cfg.get("c2c") and cfg.c2c.enabled else {})})
     return Message(RecordDict({"info": reply}), reply_to=msg)
+
+
+@app.query(M.FORGET)
+def forget(msg: Message, context: Context) -> Message:
+    """Drop this run's C2C prekey (the server sends this when its C2C phase ends)."""
+    return Message(RecordDict({"c2c": ConfigRecord({"forgot": c2c.forget_prekey(context)})}),
+                   reply_to=msg)
 
 
 @app.train()

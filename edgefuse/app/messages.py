@@ -25,9 +25,9 @@ GROUP_MODEL = "adapter_model"
 GROUP_RANK = "adapter_rank"
 
 # The query kinds both apps use (Flower message type ``query.<kind>``), defined once.
-INFO, FUSERS, SHARE, REFINE, ANSWER, DECODE, PRIVACY = (
-    "info", "fusers", "share", "refine", "answer", "decode", "privacy")
-QUERY_KINDS = (INFO, FUSERS, SHARE, REFINE, ANSWER, DECODE, PRIVACY)
+INFO, FUSERS, SHARE, REFINE, ANSWER, FORGET, DECODE, PRIVACY = (
+    "info", "fusers", "share", "refine", "answer", "forget", "decode", "privacy")
+QUERY_KINDS = (INFO, FUSERS, SHARE, REFINE, ANSWER, FORGET, DECODE, PRIVACY)
 
 
 def query_type(kind: str) -> str:

@@ -1,5 +1,5 @@
 """The ClientApp's C2C handlers (edgefuse.app.handlers.c2c) on Flower records, without a federation:
-installing fusers (version and integrity checks), rebuilding them, and the node key pair.
+installing fusers (version and integrity checks), rebuilding them, and the node's run prekey.
 
 The client is a stand-in object with the attributes the handlers read (``entry``, ``slot``,
 ``cfg``); its model is tiny-llama with a LoRA adapter, the fusers' sharer tiny-qwen2.
@@ -15,6 +15,9 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, Metadata, RecordDict
 
 from edgefuse.app.handlers import c2c
+from edgefuse.c2c.handshake import prekey_message
+from edgefuse.transport.crypto import HandshakeError
+from edgefuse.transport.identity import IdentityError, device_dir, load_identity, provision, verify_signature
 from edgefuse.config import compose, lora_targets
 from edgefuse.lora import attach_lora, get_adapter_state, set_adapter_state
 from edgefuse.models import tiny_model
@@ -152,17 +155,32 @@ def test_install_refuses_other_kv_shapes(tmp_path, client):
     assert len(ctx.state.array_records) == 0
 
 
-def test_keypair_is_stable_and_kept_in_state():
-    ctx = make_context()
-    assert c2c.KEY_RECORD not in ctx.state.config_records
-    a = c2c.keypair(ctx)
-    assert c2c.KEY_RECORD in ctx.state.config_records
-    raw = bytes(ctx.state[c2c.KEY_RECORD]["private"])
-    assert len(raw) == 32
-    b = c2c.keypair(ctx)
-    assert a.public_bytes() == b.public_bytes() and len(a.public_bytes()) == 32
-    assert bytes(ctx.state[c2c.KEY_RECORD]["private"]) == raw
-    # another node gets another key; the two agree on a shared secret
-    other = c2c.keypair(make_context())
-    assert other.public_bytes() != a.public_bytes()
-    assert a.exchange(other.public_bytes()) == other.exchange(b.public_bytes())
+def test_the_prekey_is_per_run_signed_kept_in_state_only_and_forgotten(tmp_path):
+    """One prekey per run (a new run id rotates it), signed by the device's identity for its
+    name and run, held in context.state; query.forget drops it, after which the node refuses
+    to open rather than make up a new key."""
+    provision(tmp_path, 2)
+    home = {"partition-id": 1, "device-dir": str(device_dir(tmp_path, 1))}
+    ctx = Context(run_id=7, node_id=1, node_config=home, state=RecordDict(), run_config={})
+    assert c2c.PREKEY_RECORD not in ctx.state.config_records
+    a = c2c.prekey(ctx)
+    rec = ctx.state[c2c.PREKEY_RECORD]
+    assert len(bytes(rec["private"])) == 32 and int(rec["run_id"]) == 7
+    assert c2c.prekey(ctx).public_bytes() == a.public_bytes()  # stable within the run
+    info = c2c.signed_prekey(ctx)
+    assert info["public_key"] == a.public_bytes()
+    assert info["identity_key"] == load_identity(device_dir(tmp_path, 1) / "identity.key").public_bytes()
+    verify_signature(info["identity_key"], info["prekey_signature"],
+                     prekey_message("device-1", a.public_bytes(), 7))
+    with pytest.raises(IdentityError):  # signed for this run and name only
+        verify_signature(info["identity_key"], info["prekey_signature"],
+                         prekey_message("device-1", a.public_bytes(), 8))
+    assert not any(p.suffix not in (".key", ".json") for p in device_dir(tmp_path, 1).iterdir())
+    # the next run of the series keeps the state but gets a new prekey
+    later = Context(run_id=8, node_id=1, node_config=home, state=ctx.state, run_config={})
+    b = c2c.prekey(later)
+    assert b.public_bytes() != a.public_bytes() and int(later.state[c2c.PREKEY_RECORD]["run_id"]) == 8
+    assert c2c.forget_prekey(later) is True and c2c.PREKEY_RECORD not in later.state.config_records
+    assert c2c.forget_prekey(later) is False
+    with pytest.raises(HandshakeError, match="device-1 holds no prekey for run 8"):
+        c2c._run_prekey(later)

@@ -297,6 +297,6 @@ def test_query_kinds_are_defined_once_and_unknown_kinds_refused():
 
     assert [M.query_type(k) for k in M.QUERY_KINDS] == [
         "query.info", "query.fusers", "query.share", "query.refine", "query.answer",
-        "query.decode", "query.privacy"]
+        "query.forget", "query.decode", "query.privacy"]
     with pytest.raises(ValueError, match="unknown query kind 'bogus'"):
         M.query_type("bogus")

@@ -652,19 +652,22 @@ def test_scrub_text_tags():
     assert results["x"][0]["prompt"] == PRIVATE  # the input is not changed
 
 
-def test_a_node_never_seals_twice_under_one_session():
-    """A server that repeats a session id would make the node reuse AES-GCM nonces: refused."""
+def test_a_node_never_seals_twice_under_one_session(tmp_path):
+    """A server that repeats a session id for one peer is refused: one exchange per id."""
     from flwr.app import ConfigRecord, Context, RecordDict
 
-    from edgefuse.app.handlers.c2c import SessionReuseError, _session
-    from edgefuse.transport.crypto import generate_keypair
+    from edgefuse.app.handlers.c2c import SessionReuseError, _session, signed_prekey
+    from edgefuse.transport.identity import device_dir, provision
 
-    ctx = Context(run_id=1, node_id=7, node_config={}, state=RecordDict(), run_config={})
-    conf = ConfigRecord({"peer_public_key": generate_keypair().public_bytes(), "session_id": "ab" * 16})
-    first = _session(ctx, conf, initiator=True)
-    assert first.seal(b"x")
-    _session(ctx, conf, initiator=False)  # the other direction has its own key
-    with pytest.raises(SessionReuseError, match="already used"):
-        _session(ctx, conf, initiator=True)
-    conf2 = ConfigRecord({"peer_public_key": conf["peer_public_key"], "session_id": "cd" * 16})
-    _session(ctx, conf2, initiator=True)  # a fresh session id is fine
+    provision(tmp_path, 2)
+    ctx = [Context(run_id=1, node_id=p, node_config={"partition-id": p, "device-dir": str(device_dir(tmp_path, p))},
+                   state=RecordDict(), run_config={}) for p in (0, 1)]
+    info = signed_prekey(ctx[1])
+    peer = {"peer_name": "device-1", "peer_identity_key": info["identity_key"],
+            "peer_public_key": info["public_key"], "peer_prekey_signature": info["prekey_signature"]}
+    conf = ConfigRecord({**peer, "session_id": "ab" * 16})
+    first, handshake = _session(ctx[0], conf)
+    assert first.seal(b"x") and len(handshake.ephemeral) == 32
+    with pytest.raises(SessionReuseError, match="already used to seal payloads for device-1"):
+        _session(ctx[0], conf)
+    _session(ctx[0], ConfigRecord({**peer, "session_id": "cd" * 16}))  # a fresh session id is fine

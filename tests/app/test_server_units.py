@@ -5,7 +5,8 @@ relay (queries chunked into several messages, one failing receiver, ciphertext o
 
 The relay tests run the real device handlers (:mod:`edgefuse.app.handlers.c2c`) in-process
 on tiny random-weight models (tiny-llama as partition 0, tiny-qwen2 as partition 2), each
-with its own X25519 key in its own Flower ``Context``.
+with its own signed prekey in its own Flower ``Context`` and its identity and pins from the
+keys the test session provisions.
 """
 
 import json
@@ -19,12 +20,14 @@ from flwr.app import (Array, ArrayRecord, ConfigRecord, Context, Error, Message,
                       RecordDict)
 
 from edgefuse.app import client_app
+from edgefuse.app.device import DeviceHome
 from edgefuse.app.handlers import c2c as handlers
 from edgefuse.app.phases import PhaseContext
 from edgefuse.app.phases import c2c as c2c_phase
 from edgefuse.app.phases.c2c import C2C
 from edgefuse.app.strategy import GroupedLoRA, NodeInfo, TokenizerMismatchError
 from edgefuse.c2c import peer
+from edgefuse.c2c.handshake import prekey_message
 from edgefuse.c2c.fuser import C2CFuser, FuserConfig, kv_spec_from_config
 from edgefuse.c2c.registry import FuserCard, FuserRegistry, FuserVersion, config_hash, pack_state
 from edgefuse.cloud.target import tokenizer_fingerprint
@@ -33,6 +36,7 @@ from edgefuse.eval.queries import Query
 from edgefuse.lora import attach_lora, get_adapter_state, set_adapter_state, unpack_adapter
 from edgefuse.models import tiny_model, tiny_tokenizer
 from edgefuse.results import JSON_NAME
+from edgefuse.transport.identity import verify_signature
 from edgefuse.transport.wan import WanLink, WanProfile
 from tests.app.test_phases import CLIENTS, FakeGrid, run_main, server_identity  # noqa: F401
 from tests.app.test_strategy import KEY, error_reply, info_reply, reply, state
@@ -187,7 +191,10 @@ def test_the_client_reports_its_tokenizer_fingerprint():
     rec = client_app.info(msg, context).content["info"]
     assert (rec["partition_id"], rec["model"]) == (3, "tiny-gemma3")
     assert rec["tokenizer"] == tokenizer_fingerprint(tiny_tokenizer(chat_template=False))
-    assert bytes(rec["public_key"]) == handlers.keypair(context).public_bytes()
+    assert bytes(rec["public_key"]) == handlers.prekey(context).public_bytes()
+    assert bytes(rec["identity_key"]) == DeviceHome.of(context.node_config).identity().public_bytes()
+    verify_signature(bytes(rec["identity_key"]), bytes(rec["prekey_signature"]),
+                     prekey_message("device-3", bytes(rec["public_key"]), context.run_id))
 
 
 def test_a_device_and_cloud_without_one_tokenizer_are_refused_before_round_1(tmp_path, monkeypatch):
@@ -244,8 +251,11 @@ class Device:
                                  for k, v in get_adapter_state(peft).items()})
         self.client = SimpleNamespace(entry=SimpleNamespace(model=self.model_name),
                                       slot={"peft": peft, "tok": tok}, cfg=cfg)
-        self.context = Context(run_id=1, node_id=node_id, node_config={}, state=RecordDict(), run_config={})
-        self.node = NodeInfo(node_id, pid, self.model_name, 4, handlers.keypair(self.context).public_bytes())
+        self.context = Context(run_id=1, node_id=node_id, node_config={"partition-id": pid},
+                               state=RecordDict(), run_config={})
+        info = handlers.signed_prekey(self.context)  # what its query.info tells the server
+        self.node = NodeInfo(node_id, pid, self.model_name, 4, info["public_key"], "",
+                             info["identity_key"], info["prekey_signature"])
 
 
 def install_fuser(tmp_path, receiver: Device, sharer: Device, seed: int) -> None:

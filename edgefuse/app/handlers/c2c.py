@@ -9,9 +9,18 @@ Message types (the config and this client's adapter travel as in ``evaluate``):
   peer's relayed cache.
 - ``query.answer``: open the relayed payloads, fuse, score / decode, reply per query.
 
-Device secrets: the X25519 private key lives in ``context.state`` (Flower's per-node state)
-and never leaves; peers get its public key through the server (``query.info``). Installed
-fusers live in ``context.state`` too, so they survive between messages.
+Keys (:mod:`edgefuse.c2c.handshake`, the signed-prekey idea of Signal's X3DH simplified to
+one signed ephemeral per side): the device's Ed25519 identity and its trust store come from
+its own folder (:class:`edgefuse.app.device.DeviceHome`), never from the server. Its X25519
+*prekey* for the run lives in ``context.state`` only (Flower's per-node state, in the
+SuperNode's memory; never written to disk), signed by the identity for this run id and sent
+to the server in ``query.info``. It is rotated per run (a run id other than the one it was
+made for makes a new one) and its private part dropped by ``query.forget``, which the server
+sends when its C2C phase ends (at the latest it goes with the process). A sharer seals each
+exchange under a fresh ephemeral key whose private part it drops at once. A key that is not
+the pinned one, or a signature that does not verify, is refused with
+:class:`~edgefuse.transport.identity.UntrustedPeerError` before anything is opened or sealed.
+Installed fusers live in ``context.state`` too, so they survive between messages.
 """
 
 from __future__ import annotations
@@ -21,9 +30,12 @@ import json
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
+from edgefuse.app.device import DeviceHome
 from edgefuse.lora import get_adapter_state
 from edgefuse.models import load_tokenizer
-from edgefuse.transport.crypto import KeyPair, derive_session
+from edgefuse.transport.crypto import HandshakeError, KeyPair
+from edgefuse.transport.identity import UntrustedPeerError, device_name
+from edgefuse.c2c.handshake import Handshake, PeerPrekey, open_from, seal_for, sign_prekey
 from edgefuse.c2c.fuser import C2CFuser, FuserConfig, KVSpec, kv_spec_from_config
 from edgefuse.c2c.peer import (open_payloads, pack_frames, refine_prefill, share_answers, share_prefill,
                          unpack_frames, answer_queries)
@@ -31,23 +43,63 @@ from edgefuse.eval.queries import Query
 from edgefuse.c2c.registry import (FuserCard, FuserRegistry, FuserVersionError, ModelVersion,
                              adapter_hash, check_received, unpack_state)
 
-KEY_RECORD = "c2c_key"
+PREKEY_RECORD = "c2c_prekey"
 _TOKENIZERS: dict = {}
 _T2T: dict = {}  # (model, adapter hash, qid, max_new_tokens) -> (text frame plaintext pieces)
+MAX_SESSION_ID_HEX = 510  # 255 bytes
 
 
-def keypair(context: Context) -> KeyPair:
-    """This node's X25519 key pair, created on first use and kept in ``context.state``."""
-    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+def own_name(context: Context) -> str:
+    """This node's trust-store name, ``device-<partition-id>`` (from its own node config)."""
+    return device_name(int(context.node_config["partition-id"]))
+
+
+def prekey(context: Context) -> KeyPair:
+    """This node's X25519 prekey for the run, kept in ``context.state`` only (never on disk).
+
+    Made on first use in a run and again whenever ``context.run_id`` is not the run it was
+    made for (Flower carries a node's state over to the next run of a series): one prekey
+    per run. :func:`forget_prekey` drops it."""
     from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-    if KEY_RECORD in context.state.config_records:
-        return KeyPair(X25519PrivateKey.from_private_bytes(bytes(context.state[KEY_RECORD]["private"])))
+    rec = context.state.config_records.get(PREKEY_RECORD)
+    if rec is not None and int(rec["run_id"]) == int(context.run_id):
+        return KeyPair(X25519PrivateKey.from_private_bytes(bytes(rec["private"])))
     private = X25519PrivateKey.generate()
     raw = private.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
                                 serialization.NoEncryption())
-    context.state[KEY_RECORD] = ConfigRecord({"private": raw})
+    context.state[PREKEY_RECORD] = ConfigRecord({"private": raw, "run_id": int(context.run_id)})
     return KeyPair(private)
+
+
+def signed_prekey(context: Context) -> dict:
+    """What ``query.info`` adds for C2C: ``public_key`` (this run's prekey, 32 bytes),
+    ``identity_key`` (this device's Ed25519 identity, 32 bytes) and ``prekey_signature`` (64
+    bytes, :func:`edgefuse.c2c.handshake.sign_prekey` for this node's name and run id)."""
+    identity = DeviceHome.of(context.node_config).identity()
+    public = prekey(context).public_bytes()
+    return {"public_key": public, "identity_key": identity.public_bytes(),
+            "prekey_signature": sign_prekey(identity, own_name(context), public, context.run_id)}
+
+
+def forget_prekey(context: Context) -> bool:
+    """Drop this run's prekey from ``context.state`` (``query.forget``, at the end of the C2C
+    phase): payloads sealed for it can no longer be opened by anyone. Returns whether one
+    was held."""
+    if PREKEY_RECORD not in context.state.config_records:
+        return False
+    del context.state[PREKEY_RECORD]
+    return True
+
+
+def _run_prekey(context: Context) -> KeyPair:
+    """The prekey payloads for this node were sealed to; refuses to make a new one."""
+    rec = context.state.config_records.get(PREKEY_RECORD)
+    if rec is None or int(rec["run_id"]) != int(context.run_id):
+        raise HandshakeError(f"{own_name(context)} holds no prekey for run {context.run_id} (the C2C "
+                             "phase ended, or query.info was not asked this run): cannot open")
+    return prekey(context)
 
 
 def tokenizer(cfg, name: str):
@@ -71,22 +123,79 @@ SEALED_RECORD = "c2c_sealed_sessions"
 
 
 class SessionReuseError(ValueError):
-    """The server asked this node to seal again under a session it already sealed under:
-    the AES-GCM nonces (per-direction counters from 0) would repeat under the same key."""
+    """The server asked this node to seal again for a peer under a session id it already
+    sealed under for that peer's prekey: refused (one exchange per session id)."""
 
 
-def _session(context: Context, conf, initiator: bool):
-    """The session this node seals under for ``conf``'s peer and session id. Each (peer key,
-    session id, direction) seals once per node: a repeat is refused (:class:`SessionReuseError`)
-    rather than reusing nonces, whatever the server asks."""
-    peer, sid = bytes(conf["peer_public_key"]), str(conf["session_id"])
-    tag = f"{peer.hex()}:{sid}:{int(initiator)}"
+def _bytes(conf, key: str) -> bytes:
+    if key not in conf or not isinstance(conf[key], bytes):
+        raise UntrustedPeerError(f"the relay sent no {key} (bytes): refusing the exchange")
+    return bytes(conf[key])
+
+
+def _str(conf, key: str, limit: int = 64) -> str:
+    if key not in conf or not isinstance(conf[key], str) or not 0 < len(conf[key]) <= limit:
+        raise UntrustedPeerError(f"the relay sent no valid {key} (1..{limit} characters)")
+    return str(conf[key])
+
+
+def _session_id(conf, key: str = "session_id") -> bytes:
+    sid = _str(conf, key, MAX_SESSION_ID_HEX)
+    try:
+        return bytes.fromhex(sid)
+    except ValueError:
+        raise HandshakeError(f"{key} {sid[:16]!r}… is not hex") from None
+
+
+def _session(context: Context, conf):
+    """Sharer: the session this node seals under for ``conf``'s peer (``peer_name``,
+    ``peer_identity_key``, ``peer_public_key`` = its prekey, ``peer_prekey_signature``) and
+    ``session_id``, checked and made by :func:`edgefuse.c2c.handshake.seal_for`; returns
+    ``(session, handshake)``.
+
+    Each (peer, prekey, session id) seals once per node: a repeat is refused
+    (:class:`SessionReuseError`), whatever the server asks (the fresh ephemeral key already
+    keeps nonces apart; this keeps one exchange per session id).
+
+    Raises:
+        UntrustedPeerError: the forwarded identity is not the one pinned for ``peer_name``
+            in this device's trust store, or the prekey is not signed by it for this run.
+        SessionReuseError: see above.
+    """
+    home = DeviceHome.of(context.node_config)
+    peer = PeerPrekey(_str(conf, "peer_name"), _bytes(conf, "peer_identity_key"),
+                      _bytes(conf, "peer_public_key"), _bytes(conf, "peer_prekey_signature"))
+    sid = _session_id(conf)
+    tag = f"{peer.name}:{peer.prekey.hex()}:{sid.hex()}"
     used = list(context.state[SEALED_RECORD]["tags"]) if SEALED_RECORD in context.state.config_records else []
     if tag in used:
-        raise SessionReuseError(f"session {sid[:8]}… was already used to seal payloads for this peer; "
-                                "refusing to reuse its nonces")
+        raise SessionReuseError(f"session {sid.hex()[:8]}… was already used to seal payloads for "
+                                f"{peer.name}; refusing to reuse it")
+    session, handshake = seal_for(home.identity(), own_name(context), home.trust(), peer, sid,
+                                  context.run_id)
     context.state[SEALED_RECORD] = ConfigRecord({"tags": used + [tag]})
-    return derive_session(keypair(context), peer, bytes.fromhex(sid), initiator=initiator)
+    return session, handshake
+
+
+def _opened(context: Context, conf, sfx: str = ""):
+    """Receiver: the session a sharer's frames are sealed under, after
+    :func:`edgefuse.c2c.handshake.open_from` checked its handshake (``peer_name``,
+    ``peer_identity_key``, ``ephemeral_key``, ``handshake_signature``, ``session_id``, each
+    with the suffix ``sfx``) against this device's own trust store and its run prekey.
+
+    Raises:
+        UntrustedPeerError: the sharer's identity or signature is not its pinned one's.
+        HandshakeError: no prekey held for this run, or a malformed session id or key.
+    """
+    home = DeviceHome.of(context.node_config)
+    handshake = Handshake(_bytes(conf, f"ephemeral_key{sfx}"), _bytes(conf, f"handshake_signature{sfx}"))
+    return open_from(home.identity(), own_name(context), _run_prekey(context), home.trust(),
+                     _str(conf, f"peer_name{sfx}"), _bytes(conf, f"peer_identity_key{sfx}"),
+                     handshake, _session_id(conf, f"session_id{sfx}"))
+
+
+def _handshake_fields(handshake: Handshake) -> dict:
+    return {"ephemeral_key": handshake.ephemeral, "handshake_signature": handshake.signature}
 
 
 def _frames_record(frames: list[bytes]) -> tuple[ArrayRecord, list[int]]:
@@ -183,11 +292,15 @@ def load_gate(context: Context, client, sharers: list[str]):
 
 # ----------------------------------------------------------------------------- roles
 def share(msg: Message, context: Context, client) -> RecordDict:
-    """Sharer (kv) or T2T sharer (text): seal one payload per query for the peer."""
+    """Sharer (kv) or T2T sharer (text): seal one payload per query for the peer.
+
+    The reply's ``c2c`` record holds the frame lengths, the compute ms and the
+    :class:`~edgefuse.c2c.handshake.Handshake` (``ephemeral_key``, ``handshake_signature``)
+    the receiver needs; nothing is prefilled if the peer's keys are refused."""
     conf = msg.content["c2c"]
     cfg, ev = client.cfg, client.cfg.c2c.eval
     queries = _queries(conf)
-    session = _session(context, conf, initiator=True)
+    session, handshake = _session(context, conf)
     me = my_version(client)
     model, tok = client.slot["peft"], client.slot["tok"]
     if str(conf["kind"]) == "kv":
@@ -198,7 +311,8 @@ def share(msg: Message, context: Context, client) -> RecordDict:
                                  int(ev.max_new_tokens))
     record, lengths = _frames_record(frames)
     return RecordDict({"frames": record,
-                       "c2c": ConfigRecord({"frames_lengths": lengths, "ms": [float(x) for x in ms]})})
+                       "c2c": ConfigRecord({"frames_lengths": lengths, "ms": [float(x) for x in ms],
+                                            **_handshake_fields(handshake)})})
 
 
 def _t2t_cached(session, model, tok, me, queries, max_prompt, max_new):
@@ -228,33 +342,38 @@ class _PlainSession:
 
 
 def refine(msg: Message, context: Context, client) -> RecordDict:
-    """Co-C2C refiner: fuse the partner's cache into ours, seal the refined cache back."""
+    """Co-C2C refiner: open the partner's cache (its handshake checked against its pin),
+    fuse it into ours, and seal the refined cache back under a fresh handshake of our own
+    to the partner's checked prekey (both checks before anything is opened)."""
     conf = msg.content["c2c"]
     ev = client.cfg.c2c.eval
     partner = str(conf["peer_model"])
     fuser, card = load_fuser(context, client, partner)
-    session = _session(context, conf, initiator=False)  # the partner initiated
-    frames, ms = refine_prefill(session, session, client.slot["peft"], client.slot["tok"],
+    incoming = _opened(context, conf)  # the partner sealed its cache for our prekey
+    outgoing, handshake = _session(context, conf)
+    frames, ms = refine_prefill(incoming, outgoing, client.slot["peft"], client.slot["tok"],
                                 my_version(client), _queries(conf), _frames_in(msg), fuser,
                                 tokenizer(client.cfg, partner), card.version.sharer,
                                 int(ev.max_prompt_tokens))
     record, lengths = _frames_record(frames)
     return RecordDict({"frames": record,
-                       "c2c": ConfigRecord({"frames_lengths": lengths, "ms": [float(x) for x in ms]})})
+                       "c2c": ConfigRecord({"frames_lengths": lengths, "ms": [float(x) for x in ms],
+                                            **_handshake_fields(handshake)})})
 
 
 def answer(msg: Message, context: Context, client) -> RecordDict:
-    """Receiver: answer the queries in ``mode`` (alone, t2t, c2c, co_c2c, multi)."""
+    """Receiver: answer the queries in ``mode`` (alone, t2t, c2c, co_c2c, multi).
+
+    Every sharer's handshake (``peer_name.<i>``, ``ephemeral_key.<i>``, ...) is checked
+    before any payload is opened: one refused key opens and fuses nothing."""
     conf = msg.content["c2c"]
     ev = client.cfg.c2c.eval
     queries = _queries(conf)
     mode = str(conf["mode"])
     sharers, hints, gate = [], None, None
     names = list(conf["sharers"]) if "sharers" in conf else []
-    for i, name in enumerate(names):
-        session = derive_session(keypair(context), bytes(conf[f"peer_public_key.{i}"]),
-                                 bytes.fromhex(str(conf[f"session_id.{i}"])),
-                                 initiator=f"initiator.{i}" in conf)  # co_c2c: we started it
+    sessions = [_opened(context, conf, f".{i}") for i in range(len(names))]
+    for i, (name, session) in enumerate(zip(names, sessions)):
         frames = unpack_frames(msg.content[f"frames.{i}"]["frames"].numpy(),
                                list(conf[f"frames.{i}_lengths"]))
         if mode == "t2t":
@@ -278,5 +397,5 @@ def reply(msg: Message, content: RecordDict, seconds: float) -> Message:
     return Message(content, reply_to=msg)
 
 
-__all__ = ["keypair", "install_fusers", "load_fuser", "load_gate", "share", "refine", "answer",
+__all__ = ["prekey", "signed_prekey", "forget_prekey", "own_name", "install_fusers", "load_fuser", "load_gate", "share", "refine", "answer",
            "reply", "my_version", "tokenizer"]

@@ -17,8 +17,15 @@ After the last round (or every round, ``c2c.train.at``: :meth:`C2C.after_round`)
      (its fuser sharer ← receiver) and sends the refined cache back to be fused;
    - ``multi``: every sharer's cache, combined by the receiver's gate.
 
-The server relays sealed bytes only: sessions are keyed by X25519 between the two devices
-(public keys from ``query.info``), with a fresh session id per exchange.
+The server relays sealed bytes only and holds no key of an exchange
+(:mod:`edgefuse.c2c.handshake`: the signed-prekey idea of Signal's X3DH, one signed
+ephemeral per side). It forwards each device's name, identity key and signed run prekey
+(from ``query.info``); the sharer checks them against its own pins, seals under a fresh
+ephemeral key and returns it with its signature, which the server forwards with the frames
+and the receiver checks against its pin for the sharer. A refused key is the node's error
+reply, so that (receiver, mode) row records it (``error``) and the run goes on. Each
+exchange has a fresh session id. When the phase ends the server sends every node
+``query.forget`` (its prekey's private part is dropped: recordings can no longer be opened).
 
 Latency per query (ms) is built from the devices' measured compute and the emulated link
 (``c2c.eval.wan``; each relayed payload takes two hops, device → server → device, of
@@ -28,7 +35,10 @@ in parallel). Then ``alone``/``t2t``: exchange + receiver prefill + decode (T2T'
 needs the hint first); ``c2c``/``co_c2c``/``multi``: max(exchange, receiver prefill) + fuse
 + decode, since the receiver prefills its own prompt while the sharers work. Flower's own
 message overhead is not included (it is a simulation artefact; it is in the phase's wall time). ``bytes_sent`` counts the sealed
-payload bytes the devices send per query (what each device puts on its uplink).
+payload bytes the devices send per query (what each device puts on its uplink) plus the
+handshake of each exchange (ephemeral key + signature,
+:data:`~edgefuse.c2c.handshake.HANDSHAKE_BYTES` = 96 bytes per sealed leg), spread evenly
+over the queries of that exchange (the one-off prekey in ``query.info`` is not counted).
 """
 
 from __future__ import annotations
@@ -39,19 +49,21 @@ import time
 from logging import INFO, WARNING
 from pathlib import Path
 
-from flwr.app import Array, ArrayRecord, ConfigRecord
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message
 from flwr.common.logger import log
 
 from edgefuse.app import messages as M
-from edgefuse.app.messages import NodeError
+from edgefuse.app.messages import NodeError, last_line
 from edgefuse.app.phases.base import Phase, PhaseContext
 from edgefuse.app.strategy import GroupedLoRA, NodeInfo
 from edgefuse.c2c.hub import FuserService, Side, kv_spec, pair_list
 from edgefuse.c2c.hub import check_config
+from edgefuse.c2c.handshake import HANDSHAKE_BYTES
 from edgefuse.c2c.peer import pack_frames, unpack_frames
 from edgefuse.c2c.registry import FuserRegistry, pack_state
 from edgefuse.eval import stats
 from edgefuse.eval.queries import Query, dolly_eval_queries, load_mmlu, rouge_l
+from edgefuse.transport.identity import device_name
 from edgefuse.transport.wan import WanLink, WanProfile
 
 
@@ -120,8 +132,39 @@ class C2C(Phase):
         return {}
 
     def run(self, ctx: PhaseContext) -> dict:
-        """``{"c2c": rows}``: every receiver in every mode (see :meth:`evaluate`)."""
-        return {"c2c": self.evaluate()}
+        """``{"c2c": rows}``: every receiver in every mode (see :meth:`evaluate`); then,
+        whatever happened, every node is told to drop its prekey (:meth:`forget`)."""
+        try:
+            return {"c2c": self.evaluate()}
+        finally:
+            self.forget()
+
+    def forget(self) -> dict[int, str]:
+        """Send ``query.forget`` to every identified node (config and group only, no adapter);
+        returns ``{node id: "forgot" | "none held" | error}``. A node that does not answer
+        keeps its prekey until its process or run ends (logged, not raised)."""
+        nodes = list(self.strategy.nodes.values())
+        msgs = []
+        for node in nodes:
+            content, _ = self.strategy.content(self.ctx.round, None, node)
+            msgs.append(Message(content, dst_node_id=int(node.node_id),
+                                message_type=M.query_type(M.FORGET)))
+        status = {n.node_id: "no reply" for n in nodes}
+        try:
+            replies = list(self.ctx.grid.send_and_receive(msgs, timeout=self.ctx.timeout)) if msgs else []
+        except Exception as e:  # noqa: BLE001 - the results are saved; the keys go with the run
+            log(WARNING, "c2c: query.forget not sent: %s", e)
+            return status
+        for rep in replies:
+            nid = rep.metadata.src_node_id
+            if rep.has_error():
+                status[nid] = f"error: {last_line(rep.error.reason)}"
+            else:
+                status[nid] = "forgot" if bool(rep.content["c2c"]["forgot"]) else "none held"
+        for nid, st in status.items():
+            if st not in ("forgot", "none held"):
+                log(WARNING, "c2c: node %d did not drop its prekey (%s)", nid, st)
+        return status
 
     # -- messaging ----------------------------------------------------------------
     def _ask(self, node: NodeInfo, kind: str, conf: dict, arrays: dict[str, ArrayRecord] | None = None):
@@ -233,24 +276,40 @@ class C2C(Phase):
                 rows.append(row)
         return _paired_with_alone(rows)
 
+    @staticmethod
+    def _peer_fields(node: NodeInfo, sfx: str = "") -> dict:
+        """What the server forwards about ``node`` (it vouches for none of it)."""
+        return {f"peer_name{sfx}": device_name(node.partition_id),
+                f"peer_identity_key{sfx}": node.identity_key}
+
     def _share(self, sharer: str, peer: str, kind: str, chunk: list[Query],
-               refine_frames: list[bytes] | None = None, session_id: bytes | None = None):
-        """Ask ``sharer`` to seal ``kind`` payloads for ``peer``; returns (frames, ms, sid)."""
+               refine_frames: list[bytes] | None = None, refine_handshake: dict | None = None,
+               session_id: bytes | None = None):
+        """Ask ``sharer`` to seal ``kind`` payloads for ``peer`` (with ``refine_frames``: the
+        Co-C2C refine of ``peer``'s frames, whose ``refine_handshake`` goes along); returns
+        ``(frames, ms, sid, handshake)`` with ``handshake`` the sharer's
+        ``{"ephemeral_key", "handshake_signature"}``."""
         node, peer_node = self.reps[sharer], self.reps[peer]
         sid = session_id or os.urandom(16)
         conf = {"queries": json.dumps([q.to_dict() for q in chunk]), "kind": kind,
-                "peer_model": peer, "peer_public_key": peer_node.public_key,
-                "session_id": sid.hex()}
+                "peer_model": peer, **self._peer_fields(peer_node),
+                "peer_public_key": peer_node.public_key,
+                "peer_prekey_signature": peer_node.prekey_signature, "session_id": sid.hex()}
         arrays = None
         msg_type = M.SHARE
         if refine_frames is not None:
             msg_type = M.REFINE
             flat, conf["frames_lengths"] = pack_frames(refine_frames)
+            conf.update(refine_handshake or {})
             arrays = {"frames": ArrayRecord({"frames": Array(flat)})}
         reply = self._ask(node, msg_type, conf, arrays)
         rec = reply["c2c"]
         frames = unpack_frames(reply["frames"]["frames"].numpy(), list(rec["frames_lengths"]))
-        return frames, [float(x) for x in rec["ms"]], sid
+        try:
+            handshake = {k: bytes(rec[k]) for k in ("ephemeral_key", "handshake_signature")}
+        except (KeyError, TypeError) as e:
+            raise NodeError(f"partition {node.partition_id} {msg_type}: the reply has no handshake ({e})") from None
+        return frames, [float(x) for x in rec["ms"]], sid, handshake
 
     def _hop(self, nbytes: int) -> float:
         """ms for one payload relayed device → server → device over the emulated link."""
@@ -262,22 +321,24 @@ class C2C(Phase):
         conf = {"queries": json.dumps([q.to_dict() for q in chunk]), "mode": mode,
                 "sharers": sharers}
         arrays = {}
+        hs = HANDSHAKE_BYTES / max(n, 1)  # one handshake per sealed leg, spread over its queries
         for i, s in enumerate(sharers):
             if mode == "co_c2c":
-                f1, ms1, sid = self._share(receiver, s, "kv", chunk)
-                frames, ms2, _ = self._share(s, receiver, "kv", chunk, refine_frames=f1,
-                                             session_id=sid)
-                conf[f"initiator.{i}"] = True
-                lat = [a + self._hop(len(x)) + b + self._hop(len(y))
+                f1, ms1, sid, h1 = self._share(receiver, s, "kv", chunk)
+                frames, ms2, _, handshake = self._share(s, receiver, "kv", chunk, refine_frames=f1,
+                                                        refine_handshake=h1, session_id=sid)
+                lat = [a + self._hop(len(x) + hs) + b + self._hop(len(y) + hs)
                        for a, x, b, y in zip(ms1, f1, ms2, frames)]
-                nb = [len(x) + len(y) for x, y in zip(f1, frames)]
+                nb = [len(x) + len(y) + 2 * hs for x, y in zip(f1, frames)]
             else:
-                frames, ms, sid = self._share(s, receiver, "text" if mode == "t2t" else "kv", chunk)
-                lat = [a + self._hop(len(x)) for a, x in zip(ms, frames)]
-                nb = [len(x) for x in frames]
+                frames, ms, sid, handshake = self._share(s, receiver, "text" if mode == "t2t" else "kv",
+                                                         chunk)
+                lat = [a + self._hop(len(x) + hs) for a, x in zip(ms, frames)]
+                nb = [len(x) + hs for x in frames]
             flat, conf[f"frames.{i}_lengths"] = pack_frames(frames)
             arrays[f"frames.{i}"] = ArrayRecord({"frames": Array(flat)})
-            conf[f"peer_public_key.{i}"] = self.reps[s].public_key
+            conf.update(self._peer_fields(self.reps[s], f".{i}"))  # the frames' sealer
+            conf.update({f"{k}.{i}": v for k, v in handshake.items()})
             conf[f"session_id.{i}"] = sid.hex()
             pre_ms = [max(a, b) for a, b in zip(pre_ms, lat)]  # sharers work in parallel
             sent = [a + b for a, b in zip(sent, nb)]
