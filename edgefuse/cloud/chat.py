@@ -8,11 +8,19 @@ rephrased, :mod:`edgefuse.privacy.protect`; the answer gets the original values 
 every request carries the device's cache authorization (``--flag-cache`` / ``--l-cache``,
 default ``privacy.cloud_auth``). Every reply prints the decoding figures: tokens/s, ms per
 token, round trips, bytes each way per token, acceptance rate.
+
+The link is authenticated (:mod:`edgefuse.cloud.wire`) with the identity and trust store of a
+device home (``--device-dir``: ``identity.key`` and ``trust.json``, as ``provision`` writes
+them): the cloud must present the key pinned there as ``cloud``. ``--trust-on-first-use``:
+when that home pins no cloud key yet, the command prints the presented key's fingerprint and
+pins it (compare it with ``edgefuse keys`` on the cloud's side). The cloud serves the device
+only if its key is in the cloud's authorized devices.
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 
@@ -23,6 +31,8 @@ from edgefuse.cloud.protocol import CloudAuth
 from edgefuse.cloud.target import tokenizer_fingerprint
 from edgefuse.privacy.protect import check_mode, client_protection, join_placeholders, protect
 from edgefuse.privacy.redact import restore
+from edgefuse.transport.identity import (CLOUD, IDENTITY_FILE, TRUST_FILE, Identity,
+                                         IdentityError, TrustStore, fingerprint, load_identity)
 
 
 def load_edge(model: str, adapter: str | None = None, cache_dir: str | None = None):
@@ -64,6 +74,18 @@ def _prompt_ids(tok, messages: list[dict]) -> list[int]:
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
     text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
     return tok(text)["input_ids"]
+
+
+def device_keys(device_dir, trust_on_first_use: bool = False) -> tuple[Identity, TrustStore]:
+    """The identity and trust store of the device home ``device_dir``. With
+    ``trust_on_first_use`` a missing identity is created there (a new device); otherwise
+    the home must be provisioned. Raises :class:`IdentityError` (no identity, a bad key file
+    or trust store)."""
+    if not device_dir:
+        raise IdentityError("no device home: pass --device-dir (a provisioned device folder)")
+    home = Path(device_dir).expanduser()
+    return (load_identity(home / IDENTITY_FILE, create=trust_on_first_use),
+            TrustStore.load(home / TRUST_FILE))
 
 
 def privacy_settings(args, cfg) -> tuple[str, CloudAuth]:
@@ -117,8 +139,16 @@ def run(args) -> int:
         head = pruned_head(model, tok, job.data, int(job.seed), args.draft_head, job.paths.cache_dir)
     link = None
     if any(m != "edge" for m in modes):
+        identity, trust = device_keys(args.device_dir, bool(args.trust_on_first_use))
+        pinned = CLOUD in trust.names()
         try:
-            link = CloudLink.connect(args.host, args.port, wan=WanProfile.from_name(args.wan))
+            link = CloudLink.connect(args.host, args.port, wan=WanProfile.from_name(args.wan),
+                                     identity=identity, trust=trust,
+                                     trust_on_first_use=bool(args.trust_on_first_use))
+            if not pinned:
+                trust.save()
+                print(f"pinned the cloud's key {fingerprint(link.cloud_identity)} in {trust.path} "
+                      "(trust on first use: compare it with the cloud operator's)", file=sys.stderr)
         except CloudUnavailable as e:
             print(f"edgefuse: error: no cloud service at {args.host}:{args.port} ({e}). Start one with "
                   f"`edgefuse cloud serve --model qwen2.5-coder-1.5b --port {args.port}`, "

@@ -97,7 +97,8 @@ def run_devices(model, tok, queries: list[Query], modes: list[str], cfg: DecodeC
                 fingerprint: str, max_prompt_tokens: int = 256, head=None,
                 connect_timeout_s: float = 30.0, progress=None,
                 batch_devices: bool = True,
-                drafter: DrafterSpec | None = None) -> tuple[list[Record], dict[str, float]]:
+                drafter: DrafterSpec | None = None, identity=None, trust=None,
+                device_keys=None, insecure: bool = False) -> tuple[list[Record], dict[str, float]]:
     """Decode every query in every mode with ``devices`` concurrent sessions.
 
     Queries are dealt round-robin to the devices; modes run one after another, each with all
@@ -109,6 +110,10 @@ def run_devices(model, tok, queries: list[Query], modes: list[str], cfg: DecodeC
     :func:`~edgefuse.cloud.decoding.drafter_factory`); ``head`` is the pruned head it needs
     (:func:`pruned_head` of ``drafter.head_size``). None: the pruned ``head`` if one is
     given, else the full head.
+    ``identity`` / ``trust``: the device's Ed25519 identity and trust store every link
+    authenticates with (one real device holding ``devices`` sessions); ``device_keys``: one
+    ``(identity, trust)`` per simulated device instead (a sweep of distinct provisioned
+    devices); ``insecure``: anonymous links (the benchmark's "auth off" column only).
 
     Returns:
         ``(records, wall_s)``: one :class:`Record` per (query, mode), and the wall time of
@@ -118,7 +123,8 @@ def run_devices(model, tok, queries: list[Query], modes: list[str], cfg: DecodeC
         ValueError: ``devices < 1``, an unknown mode or a drafter that cannot be built (a
             ``pruned_head`` without ``head``, too many ``shallow_layers``);
             ``edgefuse.cloud.link.CloudUnavailable`` when
-            a link mode is asked for and the service cannot be reached at all.
+            a link mode is asked for and the service cannot be reached at all;
+        edgefuse.transport.identity.UntrustedPeerError: the cloud is not the pinned one.
     """
     from edgefuse.cloud.link import CloudLink
 
@@ -139,6 +145,8 @@ def run_devices(model, tok, queries: list[Query], modes: list[str], cfg: DecodeC
     edges = [EdgeLM(model, tok, batcher=batcher) for _ in range(devices)]
     drafters = [make_drafter(e) for e in edges]  # before any link: a bad drafter leaks none
     rtt = wan.rtt_ms if wan is not None else 1.0
+    if device_keys is not None and len(device_keys) < devices:
+        raise ValueError(f"device_keys has {len(device_keys)} identities for {devices} devices")
     links = []
     records: list[Record] = []
     wall: dict[str, float] = {}
@@ -147,7 +155,9 @@ def run_devices(model, tok, queries: list[Query], modes: list[str], cfg: DecodeC
         for d in range(devices if need_link else 0):
             prof = None if wan is None else WanProfile(wan.rtt_ms, wan.bandwidth_mbps, wan.jitter_ms,
                                                        wan.loss, seed=wan.seed + d)
-            links.append(CloudLink.connect(host, port, wan=prof, timeout_s=connect_timeout_s))
+            ident, tr = device_keys[d] if device_keys is not None else (identity, trust)
+            links.append(CloudLink.connect(host, port, wan=prof, timeout_s=connect_timeout_s,
+                                           identity=ident, trust=tr, insecure=insecure))
         decoders = [Decoder(e, links[d] if links else None, fingerprint, rtt_ms=rtt, drafter=drafters[d])
                     for d, e in enumerate(edges)]
         for mode in modes:

@@ -17,6 +17,15 @@ WAN timing (per direction its own :class:`edgefuse.transport.WanLink` over the s
 
 Frames never overtake each other in one direction. The handshake is delayed the same way
 (synchronously, inside :meth:`CloudLink.connect`).
+
+Authentication (:mod:`edgefuse.cloud.wire`, SIGMA-I): :meth:`CloudLink.connect` takes the
+device's own Ed25519 identity and trust store (a device's
+:meth:`edgefuse.app.device.DeviceHome.identity` / ``trust()``, never anything the server
+sends), refuses a cloud whose identity is not the pinned ``cloud`` key or whose signature
+does not verify (:class:`edgefuse.transport.identity.UntrustedPeerError`, before a byte is
+sealed), and proves the device's identity in the first sealed frame (IDENTIFY). A device the
+cloud does not authorize learns it from the answer to its first request (ERROR
+``unauthorized``, then the cloud closes).
 """
 
 from __future__ import annotations
@@ -29,10 +38,12 @@ import threading
 import time
 
 from edgefuse.cloud import protocol as P
-from edgefuse.cloud.wire import (PeerClosed, decode_health, decode_welcome, encode_health_probe,
-                        encode_hello, frame, recv_message, send_message)
+from edgefuse.cloud.wire import (PeerClosed, check_welcome, decode_health, decode_welcome,
+                                 encode_health_probe, encode_hello, frame, make_identify,
+                                 recv_message, send_message, session_transcript)
 from edgefuse.transport.crypto import (FrameError, SecureSession, derive_session,
                                        generate_keypair, new_session_id)
+from edgefuse.transport.identity import Identity, TrustStore
 from edgefuse.privacy.audit import outbound
 from edgefuse.transport.wan import WanLink, WanProfile
 
@@ -52,19 +63,21 @@ class CloudLink:
     - ``bytes_up`` / ``bytes_down``: bytes written to / read from the socket (length
       prefixes, handshake, AES-GCM headers and tags included). Up is counted when the frame is
       actually written (with a WAN, after its emulated delay), down when it is read.
-    - ``messages_up`` / ``messages_down``: sealed protocol messages written / read (the two
-      handshake messages are not counted).
+    - ``messages_up`` / ``messages_down``: sealed protocol messages written / read (the
+      handshake's HELLO, WELCOME and sealed IDENTIFY are not counted).
     - ``round_trips``: :meth:`request` calls (and so :meth:`open`) plus
       :meth:`count_round_trip` calls.
     - ``frames_rejected``: frames from the cloud that failed to open (dropped).
 
     ``wan_up`` / ``wan_down``: the emulated :class:`WanLink` per direction (None without WAN);
-    their ``delay_s_total`` is the emulated delay in seconds.
+    their ``delay_s_total`` is the emulated delay in seconds. ``cloud_identity``: the cloud's
+    verified Ed25519 public key (None on an anonymous link); ``authenticated``: whether the
+    link was made with the SIGMA-I handshake.
     """
 
     def __init__(self, sock: socket.socket, secure: SecureSession, wan: WanProfile | None,
                  wan_up: WanLink | None, wan_down: WanLink | None, handshake_up: int,
-                 handshake_down: int, peer: str):
+                 handshake_down: int, peer: str, cloud_identity: bytes | None = None):
         self._sock = sock
         self._secure = secure
         self.wan = wan
@@ -78,6 +91,8 @@ class CloudLink:
         self.round_trips = 0
         self.frames_rejected = 0
         self.opened: P.Opened | None = None
+        self.cloud_identity = cloud_identity
+        self.authenticated = cloud_identity is not None
         self._send_lock = threading.Lock()
         self._cond = threading.Condition()
         self._inbox: collections.deque = collections.deque()  # (visible_at, message | exception)
@@ -100,14 +115,31 @@ class CloudLink:
 
     @classmethod
     def connect(cls, host: str, port: int, wan: WanProfile | None = None,
-                timeout_s: float = 10.0) -> CloudLink:
-        """Connect and do the handshake (the device is the initiator). ``wan``: emulate this
-        link profile (None = no delay). ``timeout_s``: seconds for the TCP connect and for
-        the cloud's welcome.
+                timeout_s: float = 10.0, *, identity: Identity | None = None,
+                trust: TrustStore | None = None, trust_on_first_use: bool = False,
+                insecure: bool = False) -> CloudLink:
+        """Connect and do the authenticated handshake (the device is the initiator).
 
-        Raises :class:`CloudUnavailable` (refused, closed, no welcome in time),
-        :class:`edgefuse.cloud.protocol.ProtocolError` (the peer's answer is not a welcome),
-        :class:`edgefuse.transport.HandshakeError` (a bad peer key)."""
+        ``identity`` / ``trust``: this device's Ed25519 identity and trust store (required);
+        the cloud must present the key ``trust`` pins as ``cloud`` and sign the handshake with
+        it. ``trust_on_first_use``: if ``trust`` pins no cloud key yet, pin the one presented
+        (in memory; save the store to keep it; ``cloud_identity`` is the key). ``insecure``:
+        the anonymous handshake, for the benchmark's "auth off" column only (a default service
+        refuses it; ``identity``/``trust`` are then ignored). ``wan``: emulate this link
+        profile (None = no delay). ``timeout_s``: seconds for the TCP connect and for the
+        cloud's welcome.
+
+        Raises :class:`edgefuse.transport.identity.UntrustedPeerError` (the cloud's identity
+        is not the pinned one or its signature does not verify; the socket is closed before
+        anything is sealed), :class:`CloudUnavailable` (refused, closed, no welcome in time),
+        :class:`edgefuse.cloud.protocol.ProtocolError` (the answer is not a welcome of this
+        handshake), :class:`edgefuse.transport.HandshakeError` (a bad peer key),
+        ``ValueError`` (no identity or trust store and not ``insecure``)."""
+        if not insecure and (not isinstance(identity, Identity)
+                             or not isinstance(trust, TrustStore)):
+            raise ValueError("a cloud link needs this device's identity and trust store "
+                             "(DeviceHome.identity() / trust()); insecure=True (anonymous) is "
+                             "for the benchmark only")
         try:
             sock = socket.create_connection((host, port), timeout=timeout_s)
         except OSError as exc:
@@ -117,7 +149,8 @@ class CloudLink:
             up = WanLink(wan) if wan is not None else None
             down = WanLink(wan) if wan is not None else None
             own, sid = generate_keypair(), new_session_id()
-            hello = frame(encode_hello(own.public_bytes(), sid))
+            hello_body = encode_hello(own.public_bytes(), sid, anonymous=insecure)
+            hello = frame(hello_body)
             if up is not None:
                 time.sleep(up.delay_s(len(hello)))
             sock.sendall(hello)
@@ -125,27 +158,45 @@ class CloudLink:
             handshake_down = len(body) + P.LENGTH_PREFIX_BYTES
             if down is not None:
                 time.sleep(down.delay_s(handshake_down))
-            secure = derive_session(own, decode_welcome(body), sid, initiator=True)
+            cloud_key = None
+            if insecure:
+                secure = derive_session(own, decode_welcome(body), sid, initiator=True)
+            else:
+                eph, cloud_key = check_welcome(hello_body, body, trust, trust_on_first_use)
+                th = session_transcript(hello_body, body)
+                secure = derive_session(own, eph, sid, initiator=True, transcript=th)
             sock.settimeout(None)
         except (OSError, PeerClosed) as exc:
             sock.close()
             raise CloudUnavailable(f"handshake with the cloud at {host}:{port} failed: "
-                                   f"{type(exc).__name__}: {exc}") from exc
+                                   f"{type(exc).__name__}: {exc} (a service in the other "
+                                   "authentication mode closes on this hello)") from exc
         except BaseException:
             sock.close()
             raise
-        return cls(sock, secure, wan, up, down, len(hello), handshake_down, f"{host}:{port}")
+        link = cls(sock, secure, wan, up, down, len(hello), handshake_down, f"{host}:{port}",
+                   cloud_key)
+        if not insecure:  # IDENTIFY: the first sealed frame, sent ahead of the first request
+            link._send_plain(P.encode(make_identify(identity, th)), message=False)
+        return link
 
     # --------------------------------------------------------------------------- I/O
 
     def send(self, msg: P.Message) -> None:
         """Seal and send one message. Without WAN it is written before this returns; with a
         WAN it is queued and written after its emulated uplink delay (this returns at once).
-        Raises :class:`CloudUnavailable` if the connection is gone,
+        Raises :class:`CloudUnavailable` if the connection is gone
+        (:class:`edgefuse.cloud.protocol.RemoteError` instead when the cloud's last message
+        before it closed was an ERROR, e.g. ``unauthorized``),
         :class:`edgefuse.cloud.protocol.ProtocolError` for a message that cannot be encoded."""
         plain = P.encode(msg)
         # the device's outbound audit sees every frame before it is sealed
         outbound("draft_tokens" if isinstance(msg, (P.Open, P.Verify, P.Fuse)) else "control", plain)
+        self._send_plain(plain, message=True)
+
+    def _send_plain(self, plain: bytes, message: bool) -> None:
+        """Seal ``plain`` and write it (or queue it behind the WAN delay); ``message``: count
+        it in ``messages_up`` (the handshake's IDENTIFY is not)."""
         with self._send_lock:
             self._check_alive()
             data = frame(self._secure.seal(plain))
@@ -156,11 +207,11 @@ class CloudLink:
                     self._mark_dead(f"send failed: {exc}")
                     raise CloudUnavailable(f"cloud at {self.peer}: send failed: {exc}") from exc
                 self.bytes_up += len(data)
-                self.messages_up += 1
+                self.messages_up += int(message)
             else:
                 due = max(time.monotonic() + self.wan_up.delay_s(len(data)), self._last_up_due)
                 self._last_up_due = due
-                self._outbox.put((due, data))
+                self._outbox.put((due, data, message))
 
     def recv(self, timeout_s: float | None = None) -> P.Message:
         """The next message from the cloud, once visible (after its emulated downlink delay).
@@ -291,6 +342,12 @@ class CloudLink:
         if self._closed:
             raise CloudUnavailable(f"cloud link to {self.peer} is closed")
         if self._dead is not None:
+            with self._cond:  # the cloud's last word (e.g. ERROR unauthorized) before it closed
+                err = next((m for _, m in self._inbox if isinstance(m, P.Error)), None)
+                if err is not None:
+                    self._inbox.clear()
+            if err is not None:
+                raise P.RemoteError(err.code, err.message)
             raise CloudUnavailable(f"cloud at {self.peer}: {self._dead}")
 
     def _mark_dead(self, why: str) -> None:
@@ -304,7 +361,7 @@ class CloudLink:
             item = self._outbox.get()
             if item is None:
                 return
-            due, data = item
+            due, data, message = item
             wait = due - time.monotonic()
             if wait > 0:
                 time.sleep(wait)
@@ -316,7 +373,7 @@ class CloudLink:
                 self._mark_dead(f"send failed: {exc}")
                 continue
             self.bytes_up += len(data)
-            self.messages_up += 1
+            self.messages_up += int(message)
 
     def _read_loop(self) -> None:
         while True:

@@ -2,12 +2,15 @@
 
 One TCP connection per device session. On the wire every message is a 4-byte big-endian
 length followed by that many bytes. The first two messages are the cleartext handshake
-(:func:`edgefuse.cloud.wire.encode_hello` / :func:`edgefuse.cloud.wire.encode_welcome`); every later message is an AES-GCM frame of
-:class:`edgefuse.transport.SecureSession` whose plaintext is one of the messages below.
+(HELLO and WELCOME, :mod:`edgefuse.cloud.wire`: a SIGMA-I signed ephemeral Diffie-Hellman);
+every later message is an AES-GCM frame of :class:`edgefuse.transport.SecureSession` whose
+plaintext is one of the messages below, the first one always IDENTIFY (the device's identity
+and its signature of the transcript; nothing else is served before it verified).
 
 Plaintext layout: 1 type byte, then the body (integers big-endian, token ids int32,
 probabilities float16)::
 
+    IDENTIFY  device→cloud  32-byte Ed25519 public key ‖ 64-byte signature   (first frame only)
     OPEN      device→cloud  u16 len ‖ JSON {fingerprint, temperature, top_k, seed, max_new,
                             flag_cache, l_cache, offset} ‖ int32[n] prompt ids
     VERIFY    device→cloud  u32 req ‖ u32 base_len ‖ AUTH5 ‖ u32 c ‖ int32[c] context
@@ -80,8 +83,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-MAGIC_HELLO = b"EFC1"  # device → cloud: magic ‖ 32-byte X25519 public key ‖ u8 n ‖ session id
-MAGIC_WELCOME = b"EFC1"  # cloud → device: magic ‖ 32-byte X25519 public key
+# the handshake's magic carries its version: EFC2 = SIGMA-I (authenticated, the only one a
+# default service or link speaks), EFC1 = anonymous X25519 (the benchmark's "auth off" only)
+MAGIC_HELLO = b"EFC2"  # device → cloud: magic ‖ X25519 key ‖ u8 n ‖ session id
+MAGIC_WELCOME = b"EFC2"  # cloud → device: magic ‖ X25519 key ‖ Ed25519 key ‖ signature
+MAGIC_HELLO_ANONYMOUS = b"EFC1"  # device → cloud: magic ‖ X25519 key ‖ u8 n ‖ session id
+MAGIC_WELCOME_ANONYMOUS = b"EFC1"  # cloud → device: magic ‖ X25519 key
 MAGIC_HEALTH = b"EFH1"  # a health probe: the cloud answers one cleartext JSON status message
 LENGTH_PREFIX_BYTES = 4
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # the framing's own ceiling (both ends)
@@ -90,14 +97,14 @@ MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # the framing's own ceiling (both ends)
 # room for a sampled VERIFY's draft distributions (γ × kq × 6 bytes)
 MAX_REQUEST_BYTES = 64 * 1024
 # a connection's first message: a hello (≤ 4 + 32 + 1 + 255 bytes) or a health probe
-# (magic ‖ token)
+# (magic ‖ token); the IDENTIFY frame that follows a hello is 97 + 26 bytes
 MAX_FIRST_MESSAGE_BYTES = 512
 
-OPEN, VERIFY, FUSE, CLOSE, AUTH = 1, 2, 3, 4, 5
+OPEN, VERIFY, FUSE, CLOSE, AUTH, IDENTIFY = 1, 2, 3, 4, 5, 6
 OPENED, VERIFIED, TOPK, AUTHED, ERROR = 101, 102, 103, 104, 127
 TYPE_NAMES = {OPEN: "OPEN", VERIFY: "VERIFY", FUSE: "FUSE", CLOSE: "CLOSE", AUTH: "AUTH",
-              OPENED: "OPENED", VERIFIED: "VERIFIED", TOPK: "TOPK", AUTHED: "AUTHED",
-              ERROR: "ERROR"}
+              IDENTIFY: "IDENTIFY", OPENED: "OPENED", VERIFIED: "VERIFIED", TOPK: "TOPK",
+              AUTHED: "AUTHED", ERROR: "ERROR"}
 MAX_GAMMA = 255
 MAX_TOPK = 1024
 L_UNLIMITED = 0xFFFFFFFF  # l_cache on the wire for "no limit"
@@ -112,7 +119,9 @@ class SyncError(ProtocolError):
 
 
 class RemoteError(RuntimeError):
-    """The cloud answered ERROR; ``code`` names the reason (``sync``, ``protocol``, ``busy``,
+    """The cloud answered ERROR; ``code`` names the reason (``unauthorized`` (the device's
+    identity is not authorized, its signature does not verify, or it sent something else
+    before IDENTIFY: the cloud closes the connection), ``sync``, ``protocol``, ``busy``,
     ``fingerprint``, ``context``, ``evicted``, ``limit`` (the request exceeds a service limit:
     too many drafted tokens, too much work for one forward pass), ``internal``)."""
 
@@ -215,6 +224,19 @@ class Authed:
     held: int
 
 
+IDENTIFY_KEY_BYTES, IDENTIFY_SIG_BYTES = 32, 64
+
+
+@dataclass
+class Identify:
+    """The device's identity proof, the first sealed frame of a connection (SIGMA-I's third
+    message): its Ed25519 public key and its signature of the handshake transcript
+    (:func:`edgefuse.cloud.wire.identify_transcript`). Sealed, so a passive observer never
+    learns which device connected."""
+    public_key: bytes
+    signature: bytes
+
+
 @dataclass
 class Close:
     """End the session; the cloud frees its KV cache."""
@@ -257,7 +279,7 @@ class Error:
     message: str
 
 
-Message = Open | Verify | Fuse | Auth | Close | Opened | Verified | TopK | Authed | Error
+Message = Identify | Open | Verify | Fuse | Auth | Close | Opened | Verified | TopK | Authed | Error
 
 _U8, _U16, _U32 = struct.Struct(">B"), struct.Struct(">H"), struct.Struct(">I")
 _REQ = struct.Struct(">II")  # req, base_len
@@ -326,6 +348,11 @@ def encode(msg: Message) -> bytes:
             raise ProtocolError(f"top-k {msg.k} out of range 1..{MAX_TOPK}")
         return (bytes([FUSE]) + _request_head(msg) + _U8.pack(m) + _ids(msg.committed)
                 + _U16.pack(msg.k))
+    if isinstance(msg, Identify):
+        if len(msg.public_key) != IDENTIFY_KEY_BYTES or len(msg.signature) != IDENTIFY_SIG_BYTES:
+            raise ProtocolError(f"IDENTIFY carries a {IDENTIFY_KEY_BYTES}-byte key and a "
+                                f"{IDENTIFY_SIG_BYTES}-byte signature")
+        return bytes([IDENTIFY]) + bytes(msg.public_key) + bytes(msg.signature)
     if isinstance(msg, Auth):
         return bytes([AUTH]) + _auth(msg.auth)
     if isinstance(msg, Authed):
@@ -431,6 +458,8 @@ def decode(data: bytes) -> Message:
             committed = r.ids(m).tolist()
             (k,) = r.unpack(_U16)
             msg = Fuse(req, base_len, committed, k, auth=auth, context=context)
+        elif t == IDENTIFY:
+            msg = Identify(bytes(r.take(IDENTIFY_KEY_BYTES)), bytes(r.take(IDENTIFY_SIG_BYTES)))
         elif t == AUTH:
             msg = Auth(r.auth())
         elif t == AUTHED:

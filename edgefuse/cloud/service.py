@@ -36,13 +36,26 @@ Model of execution:
 - ``max_sessions``: an OPEN beyond it gets ERROR ``busy`` (the connection stays usable; the
   device may retry or close).
 
-Limits (against a client that sends what it likes; the device is not authenticated, so each
-bounds what one connection can cost the others; config ``cloud.service.*``, CLI
+Authentication (SIGMA-I, :mod:`edgefuse.cloud.wire`): the service signs its WELCOME with its
+Ed25519 ``identity`` and serves only a device whose IDENTIFY (the first sealed frame) carries
+a key of its ``authorized`` store and a signature of this connection's transcript. Anything
+else first (an OPEN, a bad signature, an unknown key, a frame that does not open) gets ERROR
+``unauthorized`` where a key exists to seal it, and the connection closes
+(``auth_failures``). Before IDENTIFY nothing is served: no OPEN, no session slot, no queue
+slot. An anonymous hello is closed at once (``handshakes_refused``) unless the service was
+built with ``insecure_anonymous=True`` (``--insecure-anonymous``, the benchmark's "auth off"
+column), which in turn refuses every authenticated hello.
+
+Limits (against a client that sends what it likes; unauthenticated connections cost only
+handshakes, an authenticated device is bounded as below; config ``cloud.service.*``, CLI
 ``edgefuse cloud serve --...``):
 
 - ``max_connections`` (128): a connection beyond it is closed as soon as it is accepted,
-  before a byte is read or a key generated (``connections_refused``).
-- ``handshake_timeout_s`` (10 s) for the first message; then ``idle_timeout_s`` (300 s): a
+  before a byte is read or a key generated (``connections_refused``); so is one beyond
+  ``max_handshakes`` (32) connections not yet authenticated, so a flood of unauthenticated
+  connections leaves ``max_connections - max_handshakes`` places to authorized devices.
+- ``handshake_timeout_s`` (10 s) from accept to a verified IDENTIFY (the hello, the welcome
+  and the IDENTIFY together; ``handshake_timeouts``); then ``idle_timeout_s`` (300 s): a
   connection that sends no valid message for that long while no request of its is waiting
   for the worker is closed, and its session freed (``idle_closed``). Rejected frames do not
   count as activity.
@@ -66,9 +79,9 @@ bounds what one connection can cost the others; config ``cloud.service.*``, CLI
   the token it adds the fingerprint, pid, limits and every counter (other sessions' bytes,
   jobs and batches are traffic metadata).
 
-Not bounded: an attacker holding ``max_sessions`` sessions and keeping each one active (a
-cheap AUTH every few seconds) still locks devices out with ``busy``; that needs device
-authentication (docs/limits.md).
+Not bounded: an authorized device holding ``max_sessions`` sessions still locks the others
+out with ``busy`` (the log names it); an unauthenticated flood of ``max_handshakes``
+connections renewed every ``handshake_timeout_s`` delays new devices' connections.
 
 Run it in-process (:meth:`CloudService.start_in_thread` / :meth:`CloudService.stop`), in the
 foreground until SIGINT/SIGTERM (:meth:`CloudService.serve_forever`, used by
@@ -98,9 +111,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from edgefuse.cloud import protocol as P
-from edgefuse.cloud.wire import (MessageTooLarge, PeerClosed, decode_hello, encode_health,
-                        encode_welcome, health_probe_token, is_health_probe, write_message)
+from edgefuse.cloud.wire import (MessageTooLarge, PeerClosed, check_identify, decode_hello,
+                                 encode_health, encode_signed_welcome, encode_welcome,
+                                 health_probe_token, hello_is_anonymous, is_health_probe,
+                                 session_transcript, write_message)
 from edgefuse.transport.crypto import FrameError, HandshakeError, derive_session, generate_keypair
+from edgefuse.transport.identity import (AUTHORIZED_FILE, IDENTITY_FILE, Identity, IdentityError,
+                                         TrustStore, cloud_dir, load_identity)
 
 log = logging.getLogger("edgefuse.cloud")
 
@@ -124,6 +141,8 @@ class _Conn:
         self.peer = peer
         self.writer = writer
         self.secure = None
+        self.device: str | None = None  # the authorized device's name, once IDENTIFY verified
+        self.kind = "connection"  # or "health probe"
         self.current: _Session | None = None
         self.closed = False
         self.bytes_in = self.bytes_out = 0
@@ -198,15 +217,34 @@ class CloudService:
         max_queue: requests waiting for the worker in all, at most (≥ 1).
         health_token: the secret a health probe must carry for the full status (None: the
             full status is never sent over the network).
+        identity: the service's Ed25519 identity (signs every WELCOME; devices pin its key).
+        authorized: the devices it serves (their pinned keys, by name).
+        max_handshakes: connections not yet authenticated at once, at most (1 ..
+            ``max_connections``; None = min(32, ``max_connections``)); one more is closed on
+            accept.
+        insecure_anonymous: speak only the anonymous handshake (no identities; the
+            benchmark's "auth off" column); ``identity`` and ``authorized`` are then unused.
 
-    Raises ``ValueError`` for out-of-range settings.
+    Raises ``ValueError`` for out-of-range settings, or no ``identity`` / ``authorized``
+    without ``insecure_anonymous``.
     """
 
     def __init__(self, target, host: str = "127.0.0.1", port: int = 0, *, max_batch: int = 8,
                  max_wait_ms: float = 100.0, max_sessions: int = 64,
                  handshake_timeout_s: float = 10.0, max_connections: int = 128,
                  idle_timeout_s: float = 300.0, max_frame_bytes: int = P.MAX_REQUEST_BYTES,
-                 max_pending: int = 4, max_queue: int = 256, health_token: str | None = None):
+                 max_pending: int = 4, max_queue: int = 256, health_token: str | None = None,
+                 identity: Identity | None = None, authorized: TrustStore | None = None,
+                 max_handshakes: int | None = None, insecure_anonymous: bool = False):
+        if not insecure_anonymous and (not isinstance(identity, Identity)
+                                       or not isinstance(authorized, TrustStore)):
+            raise ValueError("the cloud service needs its identity and its authorized devices "
+                             "(insecure_anonymous=True is for the benchmark only)")
+        if max_handshakes is None:
+            max_handshakes = min(32, max_connections)
+        if not 1 <= max_handshakes <= max_connections:
+            raise ValueError(f"max_handshakes must be in 1..max_connections ({max_connections}), "
+                             f"got {max_handshakes}")
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if not max_wait_ms >= 0:
@@ -240,6 +278,11 @@ class CloudService:
         self.max_pending = int(max_pending)
         self.max_queue = int(max_queue)
         self._health_token = health_token.encode() if health_token else None
+        self.identity = identity
+        self.authorized = authorized
+        self.max_handshakes = int(max_handshakes)
+        self.insecure_anonymous = bool(insecure_anonymous)
+        self._handshaking = 0  # event loop: connections accepted and not yet authenticated
 
         self._queue: queue.Queue = queue.Queue()
         self._queued = 0  # event loop: counted items queued and not answered
@@ -266,7 +309,8 @@ class CloudService:
                  "protocol_errors", "busy_refusals", "health_probes", "health_auth_failures",
                  "connections_refused", "idle_closed", "handshake_timeouts", "frames_oversized",
                  "backpressure_waits", "queued_max", "limit_refusals", "batch_waits",
-                 "batch_wait_timeouts")
+                 "batch_wait_timeouts", "auth_failures", "handshakes_refused",
+                 "devices_authenticated")
 
     def stats(self) -> dict:
         """Counters since start: ``sessions_open`` (holding a cache slot now),
@@ -275,10 +319,12 @@ class CloudService:
         closed before its turn), ``mean_batch_size`` (jobs / batches), ``max_batch_size``,
         ``batch_sizes`` ({size: count}), ``frames_rejected`` (frames that failed to open),
         ``protocol_errors`` (plaintexts that failed to parse, misplaced messages),
-        ``busy_refusals``, ``health_probes``, ``health_auth_failures`` (probes with a wrong
+        ``busy_refusals``, ``auth_failures`` (IDENTIFY missing, unknown or not verifying),
+        ``handshakes_refused`` (a hello of the other authentication mode),
+        ``devices_authenticated``, ``health_probes``, ``health_auth_failures`` (probes with a wrong
         token), ``bytes_in`` / ``bytes_out`` (bytes on the sockets of closed connections
         plus open ones, length prefixes included); the limits' counters:
-        ``connections_refused`` (over ``max_connections``), ``idle_closed`` (connections
+        ``connections_refused`` (over ``max_connections`` or ``max_handshakes``), ``idle_closed`` (connections
         closed by ``idle_timeout_s``), ``handshake_timeouts``, ``frames_oversized``
         (announced over the frame cap), ``backpressure_waits`` (a connection not read
         because its or the total queue was full), ``queued`` / ``queued_max`` (requests
@@ -317,7 +363,7 @@ class CloudService:
         waiting for the worker), ``uptime_s`` (seconds) and ``authenticated``. With
         ``authenticated`` (a probe carrying the health token) also ``fingerprint``,
         ``pid``, the limits (``max_batch``, ``max_wait_ms``, ``max_sessions``,
-        ``max_connections``, ``idle_timeout_s``, ``handshake_timeout_s``,
+        ``max_connections``, ``max_handshakes``, ``authentication``, ``idle_timeout_s``, ``handshake_timeout_s``,
         ``max_frame_bytes``, ``max_pending``, ``max_queue``, the target's ``max_draft`` and
         ``max_batch_tokens``) and every :meth:`stats` counter."""
         with self._lock:
@@ -338,6 +384,8 @@ class CloudService:
                 "pid": os.getpid(),
                 "max_batch": self.max_batch, "max_wait_ms": self.max_wait_ms,
                 "max_sessions": self.max_sessions, "max_connections": self.max_connections,
+                "max_handshakes": self.max_handshakes,
+                "authentication": "anonymous" if self.insecure_anonymous else "sigma-i",
                 "idle_timeout_s": self.idle_timeout_s,
                 "handshake_timeout_s": self.handshake_timeout_s,
                 "max_frame_bytes": self.max_frame_bytes, "max_pending": self.max_pending,
@@ -504,11 +552,88 @@ class CloudService:
         finally:
             self._waiting.discard(conn)
 
+    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                         conn: _Conn):
+        """The connection's first messages: answer a health probe (returns None), or do the
+        handshake (:mod:`edgefuse.cloud.wire`) and return the :class:`SecureSession` once the
+        device's IDENTIFY verified; None for a refused hello or device (refused with ERROR
+        ``unauthorized`` where a key exists to seal it). Raises :class:`PeerClosed`,
+        :class:`MessageTooLarge`, :class:`edgefuse.cloud.protocol.ProtocolError` (not a hello),
+        :class:`HandshakeError` (a bad ephemeral key)."""
+        first = await self._read(reader, conn, P.MAX_FIRST_MESSAGE_BYTES)
+        if is_health_probe(first):
+            conn.kind = "health probe"
+            self._count("health_probes")
+            token = health_probe_token(first)
+            ok = self._health_token is not None and hmac.compare_digest(token, self._health_token)
+            if token and not ok:
+                self._count("health_auth_failures")
+            conn.bytes_out += write_message(writer, encode_health(self.health(ok)))
+            await writer.drain()
+            return None
+        anonymous = hello_is_anonymous(first)
+        if anonymous != self.insecure_anonymous:
+            self._count("handshakes_refused")
+            log.warning("connection %d from %s: %s hello refused: this service speaks only the "
+                        "%s handshake; closing", conn.id, conn.peer,
+                        "an anonymous" if anonymous else "an authenticated",
+                        "anonymous" if self.insecure_anonymous else "authenticated (SIGMA-I)")
+            return None
+        peer_key, sid = decode_hello(first)
+        own = generate_keypair()
+        if anonymous:
+            secure = derive_session(own, peer_key, sid, initiator=False)
+            conn.bytes_out += write_message(writer, encode_welcome(own.public_bytes()))
+            return secure
+        welcome = encode_signed_welcome(self.identity, first, own.public_bytes())
+        th = session_transcript(first, welcome)
+        secure = derive_session(own, peer_key, sid, initiator=False, transcript=th)
+        conn.bytes_out += write_message(writer, welcome)
+        await writer.drain()
+        body = await self._read(reader, conn, P.MAX_FIRST_MESSAGE_BYTES)
+        conn.secure = secure  # to seal the ERROR of a refusal
+        try:
+            plain = secure.open(body)
+        except FrameError as exc:
+            conn.frames_rejected += 1
+            self._count("frames_rejected")
+            return await self._refuse(conn, f"the first frame does not open "
+                                            f"({type(exc).__name__}: {exc})", send=False)
+        try:
+            msg = P.decode(plain)
+        except P.ProtocolError as exc:
+            return await self._refuse(conn, f"bad IDENTIFY: {exc}")
+        if not isinstance(msg, P.Identify):
+            return await self._refuse(conn, f"{P.message_type(plain)} before IDENTIFY: this cloud "
+                                            "serves authenticated devices only")
+        try:
+            conn.device = check_identify(msg, th, self.authorized)
+        except IdentityError as exc:
+            return await self._refuse(conn, str(exc))
+        self._count("devices_authenticated")
+        log.info("connection %d from %s: device %s authenticated (session id %s)", conn.id,
+                 conn.peer, conn.device, sid.hex()[:8])
+        return secure
+
+    async def _refuse(self, conn: _Conn, why: str, send: bool = True) -> None:
+        """Refuse an unauthenticated connection: count it, log ``why``, answer ERROR
+        ``unauthorized`` (``send``; a frame that did not open gets no answer) and return None
+        (the caller closes the connection)."""
+        self._count("auth_failures")
+        log.warning("connection %d from %s: unauthorized: %s; closing", conn.id, conn.peer, why)
+        if send:
+            conn.send(P.Error("unauthorized", why))
+            await conn.writer.drain()
+        return None
+
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if len(self._conns) >= self.max_connections:  # before anything is read or computed
+        if (len(self._conns) >= self.max_connections
+                or self._handshaking >= self.max_handshakes):  # before anything is read or computed
             self._count("connections_refused")
-            log.warning("connection from %s refused: %d connections open (max %d)",
-                        writer.get_extra_info("peername"), len(self._conns), self.max_connections)
+            log.warning("connection from %s refused: %d connections open (max %d), %d not yet "
+                        "authenticated (max %d)", writer.get_extra_info("peername"),
+                        len(self._conns), self.max_connections, self._handshaking,
+                        self.max_handshakes)
             writer.close()
             return
         task = asyncio.current_task()
@@ -516,34 +641,22 @@ class CloudService:
         conn = _Conn(next(self._ids), writer.get_extra_info("peername"), writer)
         self._conns.add(conn)
         self._count("connections_total")
-        kind = "connection"
+        self._handshaking += 1
         try:
             try:
-                first = await asyncio.wait_for(self._read(reader, conn, P.MAX_FIRST_MESSAGE_BYTES),
-                                               self.handshake_timeout_s)
+                secure = await asyncio.wait_for(self._handshake(reader, writer, conn),
+                                                self.handshake_timeout_s)
             except asyncio.TimeoutError:
                 self._count("handshake_timeouts")
-                log.warning("connection %d from %s: no hello within %g s; closing", conn.id,
-                            conn.peer, self.handshake_timeout_s)
+                log.warning("connection %d from %s: handshake not done within %g s; closing",
+                            conn.id, conn.peer, self.handshake_timeout_s)
                 return
-            if is_health_probe(first):
-                kind = "health probe"
-                self._count("health_probes")
-                token = health_probe_token(first)
-                ok = self._health_token is not None and hmac.compare_digest(token, self._health_token)
-                if token and not ok:
-                    self._count("health_auth_failures")
-                conn.bytes_out += write_message(writer, encode_health(self.health(ok)))
-                await writer.drain()
+            finally:
+                self._handshaking -= 1
+            if secure is None:
                 return
-            peer_key, sid = decode_hello(first)
-            own = generate_keypair()
-            secure = derive_session(own, peer_key, sid, initiator=False)
-            conn.bytes_out += write_message(writer, encode_welcome(own.public_bytes()))
             conn.secure = secure
             conn.last_active = time.monotonic()
-            log.debug("connection %d from %s: handshake done (session id %s)", conn.id,
-                      conn.peer, sid.hex())
             while True:
                 await self._room(conn)
                 body = await self._read(reader, conn, self.max_frame_bytes)
@@ -589,9 +702,9 @@ class CloudService:
                 writer.close()
             except Exception:  # noqa: BLE001 - already gone
                 pass
-            level = logging.DEBUG if kind == "health probe" else logging.INFO
+            level = logging.DEBUG if conn.kind == "health probe" else logging.INFO
             log.log(level, "%s %d closed: %d B in, %d B out, %d messages in, %d out, "
-                    "%d frames rejected", kind, conn.id, conn.bytes_in, conn.bytes_out,
+                    "%d frames rejected", conn.kind, conn.id, conn.bytes_in, conn.bytes_out,
                     conn.messages_in, conn.messages_out, conn.frames_rejected)
             self._tasks.discard(task)
 
@@ -661,6 +774,9 @@ class CloudService:
             if sess is not None:
                 sess.closed = True
                 self._queue.put(_Item("close", sess))
+        elif isinstance(msg, P.Identify):
+            self._count("protocol_errors")
+            conn.send(P.Error("protocol", "IDENTIFY is the handshake's: only as the first frame"))
         else:
             self._count("protocol_errors")
             conn.send(P.Error("protocol", f"{type(msg).__name__.upper()} is a cloud→device "
@@ -750,8 +866,8 @@ class CloudService:
             self._free(sess)
             self._reply(item, None)
             return
-        log.info("session %d (connection %d) open: %d prompt tokens, prefill %.1f ms",
-                 sess.id, sess.conn.id, len(item.msg.prompt), (time.perf_counter() - t0) * 1e3)
+        log.info("session %d (connection %d, device %s) open: %d prompt tokens, prefill %.1f ms",
+                 sess.id, sess.conn.id, sess.conn.device or "anonymous", len(item.msg.prompt), (time.perf_counter() - t0) * 1e3)
         self._reply(item, P.Opened(str(self.target.name), str(self.target.fingerprint),
                                    int(self.target.context_len)))
 
@@ -902,19 +1018,34 @@ def serve(model: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, max_
           max_context: int = 2048, port_file: str | None = None, max_connections: int = 128,
           idle_timeout_s: float = 300.0, handshake_timeout_s: float = 10.0,
           max_frame_bytes: int = P.MAX_REQUEST_BYTES, max_pending: int = 4, max_queue: int = 256,
-          max_draft: int = 16, max_batch_tokens: int = 8192) -> None:
+          max_draft: int = 16, max_batch_tokens: int = 8192, max_handshakes: int | None = None,
+          identity_path: str | os.PathLike | None = None,
+          authorized_path: str | os.PathLike | None = None,
+          insecure_anonymous: bool = False) -> None:
     """Load ``model`` (an :mod:`edgefuse.models` name), build a :class:`edgefuse.cloud.target.Target`
     and serve until SIGINT/SIGTERM. ``threads``: torch CPU threads (None = torch default).
     ``port_file``: once listening, the bound port is written there (atomically). The limits
     are :class:`CloudService`'s and the target's (``max_draft``, ``max_batch_tokens``); the
     health token is read from ``$EDGEFUSE_CLOUD_HEALTH_TOKEN`` (unset: none).
-    Raises ``ModelSpecError`` / ``ModelFetchError`` for a model that cannot be loaded,
-    ``ValueError`` for an out-of-range limit and ``OSError`` when the port cannot be bound."""
+    ``identity_path`` / ``authorized_path``: the service's identity key and its authorized
+    devices (:func:`load_service_keys`; both required unless ``insecure_anonymous``), loaded
+    before the model. Raises :class:`edgefuse.transport.identity.IdentityError` for keys that
+    cannot be loaded, ``ModelSpecError`` / ``ModelFetchError`` for a model that cannot be
+    loaded, ``ValueError`` for an out-of-range limit and ``OSError`` when the port cannot be
+    bound."""
     import torch
 
     from edgefuse.cloud.target import Target
     from edgefuse.models import load_model
 
+    identity = authorized = None
+    if insecure_anonymous:
+        log.warning("cloud service: ANONYMOUS handshake only (--insecure-anonymous): no device "
+                    "or service is authenticated; for the benchmark's comparison only")
+    else:
+        identity, authorized = load_service_keys(identity_path, authorized_path)
+        log.info("cloud identity %s; %d authorized devices", identity.fingerprint,
+                 len(authorized.names()))
     if threads:
         torch.set_num_threads(int(threads))
     t0 = time.perf_counter()
@@ -927,7 +1058,9 @@ def serve(model: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, max_
                        max_sessions=max_sessions, max_connections=max_connections,
                        idle_timeout_s=idle_timeout_s, handshake_timeout_s=handshake_timeout_s,
                        max_frame_bytes=max_frame_bytes, max_pending=max_pending,
-                       max_queue=max_queue, health_token=os.environ.get(HEALTH_TOKEN_ENV) or None)
+                       max_queue=max_queue, health_token=os.environ.get(HEALTH_TOKEN_ENV) or None,
+                       identity=identity, authorized=authorized, max_handshakes=max_handshakes,
+                       insecure_anonymous=insecure_anonymous)
 
     def ready():
         if port_file:
@@ -938,7 +1071,32 @@ def serve(model: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, max_
     svc.serve_forever(on_ready=ready)
 
 
-LIMITS = {"max_connections": int, "idle_timeout_s": float, "handshake_timeout_s": float,
+def load_service_keys(identity_path: str | os.PathLike | None,
+                      authorized_path: str | os.PathLike | None) -> tuple[Identity, TrustStore]:
+    """The service's identity (an existing key file; never created here) and its authorized
+    devices (an existing, non-empty store as :func:`edgefuse.transport.identity.provision`
+    writes: ``<keys root>/cloud/identity.key`` and ``authorized_devices.json``).
+    Raises :class:`IdentityError` for a path not given, a missing or malformed file, or a
+    store that authorizes no device."""
+    if identity_path is None or authorized_path is None:
+        raise IdentityError("the cloud service needs --identity and --authorized-devices "
+                            f"(e.g. <keys root>/cloud/{IDENTITY_FILE} and {AUTHORIZED_FILE})")
+    identity = load_identity(identity_path)
+    if not Path(authorized_path).exists():
+        raise IdentityError(f"no authorized devices at {authorized_path} (provision the devices "
+                            "first)")
+    authorized = TrustStore.load(authorized_path)
+    if not authorized.names():
+        raise IdentityError(f"{authorized_path} authorizes no device")
+    return identity, authorized
+
+
+def default_service_keys(root: str | os.PathLike) -> tuple[Path, Path]:
+    """``(identity path, authorized-devices path)`` of the cloud under keys root ``root``."""
+    return cloud_dir(root) / IDENTITY_FILE, cloud_dir(root) / AUTHORIZED_FILE
+
+
+LIMITS = {"max_handshakes": int, "max_connections": int, "idle_timeout_s": float, "handshake_timeout_s": float,
           "max_frame_bytes": int, "max_pending": int, "max_queue": int, "max_draft": int,
           "max_batch_tokens": int}  # cloud.service.* keys passed through start_service_process
 
@@ -967,7 +1125,10 @@ def start_service_process(model: str, host: str = "127.0.0.1", port: int = 0, *,
                           handshake_timeout_s: float = 10.0,
                           max_frame_bytes: int = P.MAX_REQUEST_BYTES, max_pending: int = 4,
                           max_queue: int = 256, max_draft: int = 16,
-                          max_batch_tokens: int = 8192) -> tuple[subprocess.Popen, int]:
+                          max_batch_tokens: int = 8192, max_handshakes: int | None = None,
+                          identity_path: str | os.PathLike | None = None,
+                          authorized_path: str | os.PathLike | None = None,
+                          insecure_anonymous: bool = False) -> tuple[subprocess.Popen, int]:
     """Start ``edgefuse cloud serve`` as a child process and wait until it answers a health
     check; returns ``(process, bound port)``. ``port=0`` picks a free port. The child's
     stdout+stderr go to ``log_path`` (appended; default: a temporary file), available as
@@ -978,7 +1139,10 @@ def start_service_process(model: str, host: str = "127.0.0.1", port: int = 0, *,
 
     Raises :class:`ServiceStartError` (with the log tail) if the process exits first or does
     not answer within ``timeout_s`` seconds (the process is then stopped). ``cache_dir``: the
-    model cache the child loads from (``None``: its own default resolution)."""
+    model cache the child loads from (``None``: its own default resolution).
+    ``identity_path`` / ``authorized_path``: the service's keys (``--identity`` /
+    ``--authorized-devices``; None: the child's defaults under its keys root);
+    ``insecure_anonymous``: ``--insecure-anonymous`` (the benchmark's "auth off" only)."""
     from edgefuse.cloud.link import cloud_health
 
     workdir = Path(tempfile.mkdtemp(prefix="edgefuse-cloud-"))
@@ -997,6 +1161,14 @@ def start_service_process(model: str, host: str = "127.0.0.1", port: int = 0, *,
         cmd += ["--threads", str(threads)]
     if cache_dir is not None:
         cmd += ["--cache-dir", str(cache_dir)]
+    if max_handshakes is not None:
+        cmd += ["--max-handshakes", str(max_handshakes)]
+    if identity_path is not None:
+        cmd += ["--identity", str(identity_path)]
+    if authorized_path is not None:
+        cmd += ["--authorized-devices", str(authorized_path)]
+    if insecure_anonymous:
+        cmd += ["--insecure-anonymous"]
     child_env = dict(os.environ if env is None else env)
     child_env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(_REPO_ROOT), child_env.get("PYTHONPATH", "")) if p)

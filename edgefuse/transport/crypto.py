@@ -4,6 +4,11 @@ Key agreement is X25519 (RFC 7748); HKDF-SHA256 (RFC 5869) turns the shared secr
 AES-256-GCM keys (NIST SP 800-38D), one per direction, so each end seals with one key and opens
 with the other. All primitives come from the ``cryptography`` library.
 
+This module agrees keys; it does not say who the peer is. Anonymous X25519 alone is open to a
+man in the middle: the device ↔ cloud link authenticates both ends with a SIGMA-I handshake
+of Ed25519-signed ephemeral keys (:mod:`edgefuse.cloud.wire`) and passes its transcript hash
+to :func:`derive_session`.
+
 Frame layout (all integers big-endian)::
 
     offset  size  field
@@ -54,6 +59,7 @@ HEADER_BYTES = _HEADER.size  # 10
 FRAME_OVERHEAD = HEADER_BYTES + TAG_BYTES  # 26 bytes added to every plaintext
 MAX_SEQ = 2**64 - 1
 MAX_SESSION_ID_BYTES = 255
+MAX_TRANSCRIPT_BYTES = 64  # a transcript hash bound into the keys (SHA-256: 32)
 HKDF_INFO = b"edgefuse/v1"
 _NONCE_PREFIX = b"\x00\x00\x00\x00"
 _DIR_NAMES = {
@@ -145,7 +151,8 @@ def _hkdf(secret: bytes, salt: bytes, info: bytes) -> bytes:
 
 
 def derive_session(
-    own: KeyPair, peer_public: bytes, session_id: bytes, initiator: bool
+    own: KeyPair, peer_public: bytes, session_id: bytes, initiator: bool,
+    transcript: bytes = b"",
 ) -> SecureSession:
     """Agree on a :class:`SecureSession` with the peer.
 
@@ -154,12 +161,19 @@ def derive_session(
     ``initiator`` flags. HKDF-SHA256 with ``salt = session_id`` derives one 32-byte key per
     direction; ``info`` is ``b"edgefuse/v1"`` + the direction label + the initiator's and the
     responder's public keys (binding the keys to this exchange, as libsodium's ``crypto_kx``
-    does).
+    does) + ``transcript``.
+
+    ``transcript``: the hash of the handshake messages so far (0–64 bytes; b"" = none). An
+    authenticated handshake (:mod:`edgefuse.cloud.wire`, SIGMA-I) passes its transcript hash,
+    so the keys of a session are bound to every handshake byte, the signed identities
+    included, as TLS 1.3's key schedule binds the transcript (RFC 8446 §7.1).
 
     Raises :class:`HandshakeError` for a peer key that is not 32 bytes, a low-order peer key
     (all-zero shared secret), a peer key equal to our own (a reflected handshake), or a bad
-    ``session_id``.
+    ``session_id``, a ``transcript`` that is not bytes or is over 64 bytes.
     """
+    if not isinstance(transcript, (bytes, bytearray)) or len(transcript) > MAX_TRANSCRIPT_BYTES:
+        raise HandshakeError(f"transcript must be 0..{MAX_TRANSCRIPT_BYTES} bytes")
     if not isinstance(session_id, (bytes, bytearray)) or not (
         1 <= len(session_id) <= MAX_SESSION_ID_BYTES
     ):
@@ -175,7 +189,8 @@ def derive_session(
         (own.public_bytes(), peer_public) if initiator else (peer_public, own.public_bytes())
     )
     keys = {
-        d: _hkdf(shared, session_id, HKDF_INFO + b" " + name.encode() + init_pub + resp_pub)
+        d: _hkdf(shared, session_id,
+                 HKDF_INFO + b" " + name.encode() + init_pub + resp_pub + bytes(transcript))
         for d, name in _DIR_NAMES.items()
     }
     send_dir = DIR_INITIATOR_TO_RESPONDER if initiator else DIR_RESPONDER_TO_INITIATOR

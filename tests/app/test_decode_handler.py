@@ -21,6 +21,8 @@ from edgefuse.config import compose, lora_targets
 from edgefuse.eval.queries import Query
 from edgefuse.lora import attach_lora
 from edgefuse.models import tiny_model
+from edgefuse.transport.identity import CLOUD, TrustStore, UntrustedPeerError, fingerprint, provision
+from tests.cloud.conftest import device_keys, service_keys
 from tests.conftest import mirror_path
 
 
@@ -58,7 +60,8 @@ def test_device_drafter_is_the_configured_one(name, tmp_path):
 def test_decode_message_drafts_with_the_configured_drafter(name, tmp_path, one_thread):
     cfg = _cfg(name, tmp_path)
     target, tok = tiny_model("qwen2", seed=1)
-    svc = CloudService(Target(target, tok, "tiny-target"), "127.0.0.1", 0, max_wait_ms=5)
+    svc = CloudService(Target(target, tok, "tiny-target"), "127.0.0.1", 0, max_wait_ms=5,
+                       **service_keys())
     svc.start_in_thread()
     try:
         model, _ = _device_model(cfg)
@@ -71,7 +74,8 @@ def test_decode_message_drafts_with_the_configured_drafter(name, tmp_path, one_t
         meta = Metadata(run_id=1, message_id="", src_node_id=0, dst_node_id=1, reply_to_message_id="",
                         group_id="", created_at=time.time(), ttl=60.0, message_type="query.decode")
         reply = decoding.decode(Message(content=content, metadata=meta),
-                                Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={}),
+                                Context(run_id=1, node_id=1, node_config={"partition-id": 0},
+                                        state=RecordDict(), run_config={}),
                                 client)
     finally:
         svc.stop()
@@ -83,3 +87,48 @@ def test_decode_message_drafts_with_the_configured_drafter(name, tmp_path, one_t
         assert r["drafter"] == name and r["fallback"] is None
         assert r["tokens"] == cloud[r["qid"]]  # lossless whichever drafter
     assert all(r["drafter"] is None for r in records if r["mode"] == "cloud")
+
+
+def _decode_message(port: int) -> Message:
+    q = Query(qid="dolly/0", kind="dolly", instruction="say item 0", context="", choices=None,
+              answer=None, reference="", category="c")
+    content = RecordDict({"cloud": ConfigRecord({"host": "127.0.0.1", "port": port,
+                                                 "queries": json.dumps([q.to_dict()])})})
+    meta = Metadata(run_id=1, message_id="", src_node_id=0, dst_node_id=1, reply_to_message_id="",
+                    group_id="", created_at=time.time(), ttl=60.0, message_type="query.decode")
+    return Message(content=content, metadata=meta)
+
+
+def test_the_cloud_key_comes_from_the_device_home_not_the_server(tmp_path, one_thread):
+    """A cloud with another identity (a man in the middle), and a server whose config points
+    the device at a keys folder that trusts it: the handler still checks the key its own
+    device home pins, and refuses."""
+    fake_root = tmp_path / "identity"  # the keys root a server-chosen cache_dir would give
+    provision(fake_root, 1)  # a whole keys tree whose devices trust the fake cloud
+    fake = service_keys_at(fake_root)
+    cfg = compose("tiny", ["cloud.decode.drafter=ngram", "privacy.enabled=false",
+                           "cloud.modes=[cloud]", f"paths.cache_dir={tmp_path}"])
+    target, tok = tiny_model("qwen2", seed=1)
+    svc = CloudService(Target(target, tok, "tiny-target"), "127.0.0.1", 0, max_wait_ms=5, **fake)
+    svc.start_in_thread()
+    try:
+        model, _ = _device_model(cfg)
+        client = SimpleNamespace(entry=SimpleNamespace(model="tiny-qwen2"), cfg=cfg,
+                                 slot={"peft": model, "tok": tok})
+        with pytest.raises(UntrustedPeerError) as err:
+            decoding.decode(_decode_message(svc.port),
+                            Context(run_id=1, node_id=1, node_config={"partition-id": 0},
+                                    state=RecordDict(), run_config={}), client)
+    finally:
+        svc.stop()
+    pinned = device_keys(0)["trust"].get(CLOUD)
+    assert fingerprint(pinned) in str(err.value)
+    assert fingerprint(fake["identity"].public_bytes()) in str(err.value)
+    assert svc.stats()["devices_authenticated"] == 0 and svc.stats()["sessions_total"] == 0
+
+
+def service_keys_at(root) -> dict:
+    from edgefuse.transport.identity import AUTHORIZED_FILE, IDENTITY_FILE, cloud_dir, load_identity
+
+    return {"identity": load_identity(cloud_dir(root) / IDENTITY_FILE),
+            "authorized": TrustStore.load(cloud_dir(root) / AUTHORIZED_FILE)}

@@ -1,7 +1,8 @@
 """Shared pieces of the cloud tests: an in-process link to a real :class:`Target`, the
 target's own greedy continuation (the reference every lossless mode must equal), a perturbed
-copy of a model (a draft that agrees with its target often but not always), and a started
-in-process :class:`CloudService`."""
+copy of a model (a draft that agrees with its target often but not always), a started
+in-process :class:`CloudService`, and the provisioned keys both ends authenticate with
+(:func:`service_keys`, :func:`device_keys`: the session's ``provisioned_keys``)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,30 @@ from edgefuse.cloud.service import CloudService
 from edgefuse.cloud import wire
 from edgefuse.cloud.target import SessionError, Target
 from edgefuse.transport.crypto import derive_session, generate_keypair, new_session_id
+from edgefuse.transport.identity import (AUTHORIZED_FILE, IDENTITY_FILE, TRUST_FILE, TrustStore,
+                                         cloud_dir, device_dir, load_identity)
+
+
+def keys_root():
+    from edgefuse.app.device import keys_root as root
+
+    return root()
+
+
+def service_keys() -> dict:
+    """``identity=`` / ``authorized=`` keyword arguments of :class:`CloudService`: the
+    provisioned cloud identity and authorized devices."""
+    root = cloud_dir(keys_root())
+    return {"identity": load_identity(root / IDENTITY_FILE),
+            "authorized": TrustStore.load(root / AUTHORIZED_FILE)}
+
+
+def device_keys(pid: int = 0) -> dict:
+    """``identity=`` / ``trust=`` keyword arguments of :meth:`CloudLink.connect`: the
+    provisioned device ``pid``'s identity and trust store (pins the cloud)."""
+    home = device_dir(keys_root(), pid)
+    return {"identity": load_identity(home / IDENTITY_FILE),
+            "trust": TrustStore.load(home / TRUST_FILE)}
 
 
 def target_greedy(model, prompt: list[int], n: int) -> list[int]:
@@ -106,11 +131,13 @@ class DirectLink:
 @pytest.fixture
 def start_service():
     """Factory: ``start_service(model, tok, name="tiny-target", **service_kw)`` starts an
-    in-process :class:`CloudService` over a fresh ``Target`` of ``model``; all are stopped
-    after the test."""
+    in-process :class:`CloudService` over a fresh ``Target`` of ``model`` with the
+    provisioned cloud keys (:func:`service_keys`); all are stopped after the test."""
     started = []
 
     def start(model, tok, name: str = "tiny-target", **kw) -> CloudService:
+        if not kw.get("insecure_anonymous"):
+            kw = {**service_keys(), **kw}
         svc = CloudService(Target(model, tok, name), "127.0.0.1", 0, **kw)
         svc.start_in_thread()
         started.append(svc)
@@ -132,14 +159,27 @@ def wait_for(cond, timeout_s=20.0, what="condition"):
 
 
 class RawClient:
-    """A device end written by hand (no CloudLink), to put arbitrary bytes on the socket."""
+    """A device end written by hand (no CloudLink), to put arbitrary bytes on the socket.
 
-    def __init__(self, port: int):
+    It does the SIGMA-I handshake itself: HELLO, the WELCOME checked against ``trust``
+    (``pid``'s by default), then, when ``identify``, IDENTIFY signed by ``identity``
+    (device ``pid``'s by default). ``identify=False`` leaves the connection before IDENTIFY
+    (``self.th`` is the transcript hash, to sign something else by hand)."""
+
+    def __init__(self, port: int, pid: int = 0, identity=None, trust=None, identify: bool = True):
+        keys = device_keys(pid)
+        identity = identity or keys["identity"]
+        trust = trust or keys["trust"]
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
         own, sid = generate_keypair(), new_session_id()
-        wire.send_message(self.sock, wire.encode_hello(own.public_bytes(), sid))
-        peer = wire.decode_welcome(wire.recv_message(self.sock))
-        self.secure = derive_session(own, peer, sid, initiator=True)
+        self.hello = wire.encode_hello(own.public_bytes(), sid)
+        wire.send_message(self.sock, self.hello)
+        self.welcome = wire.recv_message(self.sock)
+        peer, _ = wire.check_welcome(self.hello, self.welcome, trust)
+        self.th = wire.session_transcript(self.hello, self.welcome)
+        self.secure = derive_session(own, peer, sid, initiator=True, transcript=self.th)
+        if identify:
+            self.send(wire.make_identify(identity, self.th))
 
     def seal(self, msg) -> bytes:
         return self.secure.seal(P.encode(msg) if not isinstance(msg, bytes) else msg)

@@ -22,7 +22,7 @@ from edgefuse.cloud.speculative import verify_greedy
 from edgefuse.cloud.target import Target, tokenizer_fingerprint
 from edgefuse.models import tiny_model
 from edgefuse.transport.crypto import derive_session, generate_keypair, new_session_id
-from tests.cloud.conftest import DirectLink
+from tests.cloud.conftest import DirectLink, RawClient, device_keys, service_keys
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = [5, 17, 33, 60, 91, 7, 200, 11, 42]
@@ -384,25 +384,11 @@ def test_flag_off_costs_uplink_bytes_only(pair):
 
 # ------------------------------------------------------------------------- the service
 
-class RawClient:
-    def __init__(self, port: int):
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-        own, sid = generate_keypair(), new_session_id()
-        wire.send_message(self.sock, wire.encode_hello(own.public_bytes(), sid))
-        self.secure = derive_session(own, wire.decode_welcome(wire.recv_message(self.sock)), sid,
-                                     initiator=True)
-
-    def send(self, plain: bytes) -> None:
-        wire.send_message(self.sock, self.secure.seal(plain))
-
-    def recv(self) -> P.Message:
-        return P.decode(self.secure.open(wire.recv_message(self.sock)))
-
-
 @pytest.fixture
 def service(pair):
     _, target, tok = pair
-    svc = CloudService(Target(target, tok, "tiny-target"), "127.0.0.1", 0, max_wait_ms=5)
+    svc = CloudService(Target(target, tok, "tiny-target"), "127.0.0.1", 0, max_wait_ms=5,
+                       **service_keys())
     svc.start_in_thread()
     yield svc
     svc.stop()
@@ -411,7 +397,7 @@ def service(pair):
 def test_service_auth_authed_and_windowed_decode(pair, service):
     draft, target, tok = pair
     fp = tokenizer_fingerprint(tok)
-    with CloudLink.connect("127.0.0.1", service.port) as link:
+    with CloudLink.connect("127.0.0.1", service.port, **device_keys()) as link:
         with pytest.raises(P.RemoteError, match="protocol"):
             link.authorize(P.CloudAuth(True, 3), timeout_s=10)  # no session yet
         link.open(PROMPT, fp, timeout_s=10)

@@ -17,7 +17,7 @@ from edgefuse.cloud.target import tokenizer_fingerprint
 from edgefuse.eval.queries import Query
 from edgefuse.models import tiny_model
 from edgefuse.transport.wan import WanProfile
-from tests.cloud.conftest import perturbed_copy, target_greedy
+from tests.cloud.conftest import device_keys, perturbed_copy, target_greedy
 
 
 @pytest.fixture
@@ -40,7 +40,7 @@ def test_two_devices_in_every_mode_through_the_service(service):
                      choices=None, answer=None, reference="an item", category="c") for i in range(4)]
     recs, wall = run_devices(model, tok, queries, list(MODES), DecodeConfig(max_new_tokens=6),
                              "127.0.0.1", svc.port, WanProfile(5.0, 100.0), 2, svc.target.fingerprint,
-                             max_prompt_tokens=64)
+                             max_prompt_tokens=64, device_keys=[tuple(device_keys(p).values()) for p in (0, 1)])
     rows = {r["mode"]: r for r in summarize(recs, wall, tok, 5.0, 2, greedy=True)}
     assert set(rows) == set(MODES) and len(recs) == 4 * len(MODES)
     assert rows["spec_sync"]["identical_to_target"] and rows["spec_async"]["identical_to_target"]
@@ -68,7 +68,7 @@ def test_configured_drafter_on_batched_devices_through_the_service(service, name
     recs, wall = run_devices(model, tok, queries, ["cloud", "spec_sync", "spec_async"],
                              DecodeConfig(max_new_tokens=12), "127.0.0.1", svc.port, WanProfile(5.0, 100.0),
                              2, svc.target.fingerprint, max_prompt_tokens=64,
-                             drafter=DrafterSpec(name, shallow_layers=1))
+                             drafter=DrafterSpec(name, shallow_layers=1), **device_keys())
     rows = {r["mode"]: r for r in summarize(recs, wall, tok, 5.0, 2, greedy=True)}
     assert rows["spec_sync"]["identical_to_target"] and rows["spec_async"]["identical_to_target"]
     assert rows["spec_sync"]["drafter"] == rows["spec_async"]["drafter"] == name
@@ -85,7 +85,7 @@ def test_service_stopped_mid_generation_falls_back_to_edge(service, mode):
     svc, target, tok = service
     edge = _edge(tok)
     prompt = [5, 6, 7, 8]
-    link = CloudLink.connect("127.0.0.1", svc.port, wan=WanProfile(20.0, 100.0))
+    link = CloudLink.connect("127.0.0.1", svc.port, **device_keys(), wan=WanProfile(20.0, 100.0))
     def stop_after_round_trips():  # OPEN and two decode round trips, however slow the machine
         deadline = time.monotonic() + 120
         while link.round_trips < 3 and time.monotonic() < deadline:
@@ -114,7 +114,7 @@ def test_late_cloud_answers_meet_the_deadline_path(service):
     svc, _, tok = service
     edge = _edge(tok)
     alone = Decoder(edge).generate("edge", [5, 6, 7], DecodeConfig(max_new_tokens=5))
-    link = CloudLink.connect("127.0.0.1", svc.port, wan=WanProfile(200.0, 100.0))
+    link = CloudLink.connect("127.0.0.1", svc.port, **device_keys(), wan=WanProfile(200.0, 100.0))
     dec = Decoder(edge, link, svc.target.fingerprint)
     cfg = DecodeConfig(max_new_tokens=5, deadline_ms=20, fusion=FusionConfig(weight=0.0))
     res = dec.generate("fusion_static", [5, 6, 7], cfg)
@@ -146,7 +146,7 @@ def test_real_smollm2_speculative_is_lossless_and_fusion_runs(start_service):
                                      add_generation_prompt=True, tokenize=True)
     prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
     edge = EdgeLM(draft, tok)
-    link = CloudLink.connect("127.0.0.1", svc.port)
+    link = CloudLink.connect("127.0.0.1", svc.port, **device_keys())
     dec = Decoder(edge, link, svc.target.fingerprint)
     cfg = DecodeConfig(max_new_tokens=16)
     want = target.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
@@ -179,7 +179,7 @@ def test_default_pair_speculative_equals_the_target(start_service):
     target, tok = load_model(c.model)
     draft, dtok = load_model(c.device_model)
     svc = start_service(target, tok, c.model)
-    link = CloudLink.connect("127.0.0.1", svc.port)
+    link = CloudLink.connect("127.0.0.1", svc.port, **device_keys())
     edge = EdgeLM(draft, dtok)
     dec = Decoder(edge, link, tokenizer_fingerprint(dtok))
     accepted = 0

@@ -22,13 +22,14 @@ from edgefuse.cloud.service import CloudService, start_service_process, stop_ser
 from edgefuse.cloud.target import Target, tokenizer_fingerprint
 from edgefuse.models import load_model, tiny_model
 from edgefuse.transport.crypto import FRAME_OVERHEAD
-from tests.cloud.conftest import RawClient, wait_for
+from tests.cloud.conftest import RawClient, device_keys, service_keys, wait_for
 from edgefuse.transport.wan import WanProfile
 
 NAME = "tiny-qwen2"
 PROMPTS = [[5, 17, 33, 60, 91], [200, 11, 7], [42, 43, 44, 45, 46, 47, 48, 49], [300, 301]]
 HELLO_BYTES = 4 + len(P.MAGIC_HELLO) + 32 + 1 + 16  # framed hello with a 16-byte session id
-WELCOME_BYTES = 4 + len(P.MAGIC_WELCOME) + 32
+WELCOME_BYTES = 4 + len(P.MAGIC_WELCOME) + 32 + 32 + 64  # ephemeral, identity, signature
+IDENTIFY_BYTES = 4 + FRAME_OVERHEAD + 1 + 32 + 64  # the sealed IDENTIFY frame
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -75,7 +76,7 @@ def make_service():
 
     def make(target_cls=Target, **kw) -> CloudService:
         model, tok = tiny_model("qwen2")
-        svc = CloudService(target_cls(model, tok, NAME, max_context=1024), "127.0.0.1", 0, **kw)
+        svc = CloudService(target_cls(model, tok, NAME, max_context=1024), "127.0.0.1", 0, **{**service_keys(), **kw})
         svc.start_in_thread()
         started.append(svc)
         return svc
@@ -119,7 +120,7 @@ def test_open_and_verify_greedy_equals_generate(make_service, tiny, greedy):
     svc = make_service()
     prompt = PROMPTS[0]
     ref = greedy[tuple(prompt)]
-    with CloudLink.connect("127.0.0.1", svc.port) as link:
+    with CloudLink.connect("127.0.0.1", svc.port, **device_keys()) as link:
         opened = link.open(prompt, fp, max_new=64)
         assert opened == P.Opened(NAME, fp, 1024)
         tokens = list(prompt)
@@ -158,7 +159,7 @@ def test_pipelined_requests_keep_their_order(make_service, tiny, greedy):
     svc = make_service(max_wait_ms=30.0)
     prompt = PROMPTS[3]
     ref = greedy[tuple(prompt)]
-    with CloudLink.connect("127.0.0.1", svc.port) as link:
+    with CloudLink.connect("127.0.0.1", svc.port, **device_keys()) as link:
         link.send(P.Open(prompt, fp))
         for i in range(3):
             link.send(P.Verify(i, len(prompt) + i, []))
@@ -171,7 +172,7 @@ def test_pipelined_requests_keep_their_order(make_service, tiny, greedy):
 def test_wrong_fingerprint_is_refused_and_the_link_can_retry(make_service, tiny):
     _, _, fp = tiny
     svc = make_service()
-    with CloudLink.connect("127.0.0.1", svc.port) as link:
+    with CloudLink.connect("127.0.0.1", svc.port, **device_keys()) as link:
         with pytest.raises(P.RemoteError) as err:
             link.open(PROMPTS[1], "0" * 16)
         assert err.value.code == "fingerprint"
@@ -291,7 +292,7 @@ def test_concurrent_sessions_batch_and_stay_isolated(make_service, tiny):
     solo = make_service(max_wait_ms=0.0)
     alone = []
     for p in PROMPTS:  # each session by itself: batches of one
-        with CloudLink.connect("127.0.0.1", solo.port) as link:
+        with CloudLink.connect("127.0.0.1", solo.port, **device_keys()) as link:
             alone.append(_session_script(link, p, fp))
     assert solo.stats()["max_batch_size"] == 1
     svc = make_service(max_wait_ms=40.0, max_batch=8)
@@ -302,7 +303,7 @@ def test_concurrent_sessions_batch_and_stay_isolated(make_service, tiny):
 
     def run(k):
         try:
-            with CloudLink.connect("127.0.0.1", svc.port) as link:
+            with CloudLink.connect("127.0.0.1", svc.port, **device_keys()) as link:
                 results[k] = _session_script(link, PROMPTS[k], fp, barrier)
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
@@ -328,8 +329,8 @@ def test_concurrent_sessions_batch_and_stay_isolated(make_service, tiny):
 def test_disconnect_and_close_free_the_session(make_service, tiny):
     _, _, fp = tiny
     svc = make_service()
-    a = CloudLink.connect("127.0.0.1", svc.port)
-    b = CloudLink.connect("127.0.0.1", svc.port)
+    a = CloudLink.connect("127.0.0.1", svc.port, **device_keys())
+    b = CloudLink.connect("127.0.0.1", svc.port, **device_keys())
     a.open(PROMPTS[0], fp)
     b.open(PROMPTS[1], fp)
     assert cloud_health("127.0.0.1", svc.port)["sessions_open"] == 2
@@ -350,7 +351,7 @@ def test_disconnect_and_close_free_the_session(make_service, tiny):
 def test_busy_beyond_max_sessions(make_service, tiny):
     _, _, fp = tiny
     svc = make_service(max_sessions=2)
-    links = [CloudLink.connect("127.0.0.1", svc.port) for _ in range(3)]
+    links = [CloudLink.connect("127.0.0.1", svc.port, **device_keys()) for _ in range(3)]
     links[0].open(PROMPTS[0], fp)
     links[1].open(PROMPTS[1], fp)
     with pytest.raises(P.RemoteError) as err:
@@ -372,7 +373,7 @@ def test_health_fields(make_service, tiny):
     assert h["context_len"] == 1024 and h["max_batch"] == 4 and h["max_sessions"] == 7
     assert h["sessions_open"] == 0 and h["queue_depth"] == 0 and h["batches"] == 0
     assert h["uptime_s"] >= 0
-    with CloudLink.connect("127.0.0.1", svc.port) as link:
+    with CloudLink.connect("127.0.0.1", svc.port, **device_keys()) as link:
         link.open(PROMPTS[0], fp)
         link.request(P.Verify(1, len(PROMPTS[0]), []), timeout_s=10)
         h = cloud_health("127.0.0.1", svc.port, token="t0ken")
@@ -384,7 +385,7 @@ def test_stop_mid_request_raises_cloud_unavailable(make_service, tiny):
     _, _, fp = tiny
     svc = make_service(target_cls=SlowTarget)
     svc.target.delay_s = 0.5
-    link = CloudLink.connect("127.0.0.1", svc.port)
+    link = CloudLink.connect("127.0.0.1", svc.port, **device_keys())
     link.open(PROMPTS[0], fp)
     link.send(P.Verify(1, len(PROMPTS[0]), []))
     threading.Timer(0.1, svc.stop).start()
@@ -396,7 +397,7 @@ def test_stop_mid_request_raises_cloud_unavailable(make_service, tiny):
     svc.stop()
     assert svc.stats()["sessions_open"] == 0
     with pytest.raises(CloudUnavailable):
-        CloudLink.connect("127.0.0.1", svc.port, timeout_s=2)
+        CloudLink.connect("127.0.0.1", svc.port, **device_keys(), timeout_s=2)
 
 
 # ---------------------------------------------------------------- byte accounting, WAN
@@ -449,7 +450,7 @@ def test_byte_accounting_equals_bytes_on_the_socket(make_service, tiny):
     svc = make_service()
     relay = Relay(svc.port)
     before = svc.stats()
-    link = CloudLink.connect("127.0.0.1", relay.port)
+    link = CloudLink.connect("127.0.0.1", relay.port, **device_keys())
     prompt = PROMPTS[0]
     opened = link.open(prompt, fp)
     tokens = list(prompt)
@@ -468,7 +469,8 @@ def test_byte_accounting_equals_bytes_on_the_socket(make_service, tiny):
     assert link.bytes_up == relay.up and link.bytes_down == relay.down
     # and the counts are exactly handshake + (prefix + frame overhead + plaintext) per message
     per = P.LENGTH_PREFIX_BYTES + FRAME_OVERHEAD
-    assert relay.up == HELLO_BYTES + sum(per + len(p) for p in plain_up)
+    assert (HELLO_BYTES, WELCOME_BYTES, IDENTIFY_BYTES) == (57, 136, 127)
+    assert relay.up == HELLO_BYTES + IDENTIFY_BYTES + sum(per + len(p) for p in plain_up)
     assert relay.down == WELCOME_BYTES + sum(per + len(p) for p in plain_down)
     assert (link.messages_up, link.messages_down) == (6, 5)
     wait_for(lambda: svc.stats()["connections_open"] == 0, what="relay connection closed")
@@ -482,7 +484,7 @@ def test_wan_emulation_delays_without_blocking(make_service, tiny):
     svc = make_service()
     wan = WanProfile(rtt_ms=100.0, bandwidth_mbps=float("inf"))
     t0 = time.monotonic()
-    link = CloudLink.connect("127.0.0.1", svc.port, wan=wan)
+    link = CloudLink.connect("127.0.0.1", svc.port, **device_keys(), wan=wan)
     assert time.monotonic() - t0 >= 0.1  # the handshake is one emulated round trip
     prompt = PROMPTS[1]
     link.open(prompt, fp)
@@ -503,7 +505,7 @@ def test_wan_emulation_delays_without_blocking(make_service, tiny):
     assert (first.req, second.req) == (2, 3)
     assert elapsed >= 0.1  # the emulated RTT was waited (upper bounds are for benchmarks)
     assert link.round_trips == 2  # open + the counted pipelined pair
-    assert link.wan_up.frames == 5 and link.wan_down.frames == 5  # handshake included
+    assert link.wan_up.frames == 6 and link.wan_down.frames == 5  # handshake (and IDENTIFY) included
     link.close()
 
 
@@ -522,7 +524,7 @@ def test_service_process_starts_answers_and_stops_on_sigterm(tmp_path, tiny, gre
     try:
         h = cloud_health("127.0.0.1", port, token=proc.health_token)
         assert h["model"] == NAME and h["fingerprint"] == fp and h["pid"] == proc.pid
-        with CloudLink.connect("127.0.0.1", port) as link:
+        with CloudLink.connect("127.0.0.1", port, **device_keys()) as link:
             link.open(PROMPTS[3], fp)
             rep = link.request(P.Verify(7, len(PROMPTS[3]), []), timeout_s=10)
             assert rep == P.Verified(7, 0, greedy[tuple(PROMPTS[3])][0])

@@ -21,12 +21,13 @@ from edgefuse.cloud.service import (CloudService, LIMITS, service_limits, start_
 from edgefuse.cloud.target import Target, tokenizer_fingerprint
 from edgefuse.config import compose
 from edgefuse.models import tiny_model
-from tests.cloud.conftest import RawClient, wait_for
+from tests.cloud.conftest import RawClient, device_keys, service_keys, wait_for
 
 NAME = "tiny-qwen2"
 PROMPT = [5, 17, 33, 60, 91]
 LONG = [(7 * i + 3) % 380 + 5 for i in range(200)]  # 200 in-vocabulary ids
 HELLO_BYTES = 4 + len(P.MAGIC_HELLO) + 32 + 1 + 16  # framed hello with a 16-byte session id
+IDENTIFY_BYTES = 4 + 26 + 1 + 32 + 64  # the sealed IDENTIFY frame
 PUBLIC_HEALTH = {"status", "model", "context_len", "sessions_open", "connections_open",
                  "queue_depth", "uptime_s", "authenticated"}
 
@@ -70,7 +71,7 @@ def serve():
     def start(target_cls=Target, target_kw=None, **kw) -> CloudService:
         model, tok = tiny_model("qwen2")
         tkw = {"max_context": 512, **(target_kw or {})}
-        svc = CloudService(target_cls(model, tok, NAME, **tkw), "127.0.0.1", 0, **kw)
+        svc = CloudService(target_cls(model, tok, NAME, **tkw), "127.0.0.1", 0, **{**service_keys(), **kw})
         svc.start_in_thread()
         started.append(svc)
         return svc
@@ -100,7 +101,7 @@ def honest_decode(port: int, model, fp: str) -> list[int]:
     continuation (accepted whole, bonus token after it); returns the 9 tokens it got, after
     checking each answer."""
     ref = greedy(model, PROMPT, 9)
-    with CloudLink.connect("127.0.0.1", port) as link:
+    with CloudLink.connect("127.0.0.1", port, **device_keys()) as link:
         assert link.open(PROMPT, fp, max_new=32) == P.Opened(NAME, fp, 512)
         tokens = list(PROMPT)
         for i in range(5):
@@ -122,7 +123,7 @@ def test_amplification_verify_is_refused_and_sessions_go_on(serve, tiny):
     attack = P.Verify(1, len(LONG), [5] * 255, auth=window)
     # the attack: ~1 KB that plans 255 window rows of 200 ids (51,000 token rows)
     assert len(P.encode(attack)) == 1 + 8 + 5 + 4 + 1 + 4 * 255 + 1 == 1040
-    with CloudLink.connect("127.0.0.1", svc.port) as link:
+    with CloudLink.connect("127.0.0.1", svc.port, **device_keys()) as link:
         link.open(LONG, fp, max_new=50, auth=window)
         with pytest.raises(P.RemoteError) as err:
             link.request(attack, timeout_s=20)
@@ -207,7 +208,7 @@ def test_idle_connections_are_refused_past_the_cap_then_closed(serve, tiny):
     stats = svc.stats()
     assert stats["connections_refused"] == 56 and stats["connections_total"] == 8
     with pytest.raises(CloudUnavailable):  # at the cap, a device is refused too ...
-        CloudLink.connect("127.0.0.1", svc.port)
+        CloudLink.connect("127.0.0.1", svc.port, **device_keys())
     # ... until the idle timeout closes the idle ones and frees their sessions
     wait_for(lambda: svc.stats()["idle_closed"] == 8, what="idle connections closed")
     assert all(closed_by_peer(raw.sock) for raw in holders)
@@ -222,7 +223,7 @@ def test_a_request_waiting_for_the_model_is_not_idle(serve, tiny):
     model, _, fp = tiny
     svc = serve(target_cls=SlowTarget, idle_timeout_s=0.5)
     svc.target.delay_s = 2.0  # four idle timeouts
-    link = CloudLink.connect("127.0.0.1", svc.port)
+    link = CloudLink.connect("127.0.0.1", svc.port, **device_keys())
     link.open(PROMPT, fp)
     rep = link.request(P.Verify(1, len(PROMPT), []), timeout_s=20)
     assert rep == P.Verified(1, 0, greedy(model, PROMPT, 1)[0])
@@ -252,8 +253,8 @@ def test_oversized_frames_are_refused_from_the_length_prefix(serve, tiny):
     wait_for(lambda: svc.stats()["connections_open"] == 0, what="both connections closed")
     after = svc.stats()
     assert after["frames_oversized"] - before["frames_oversized"] == 2
-    # the service read the two prefixes and the hello, none of the announced bodies
-    assert after["bytes_in"] - before["bytes_in"] == 4 + HELLO_BYTES + 4
+    # the service read the two prefixes, the hello and IDENTIFY, none of the announced bodies
+    assert after["bytes_in"] - before["bytes_in"] == 4 + HELLO_BYTES + IDENTIFY_BYTES + 4
     # exactly max_frame_bytes is read (it is no genuine frame: rejected, session intact) ...
     raw = RawClient(svc.port)
     wire.send_message(raw.sock, bytes(svc.max_frame_bytes))
@@ -306,13 +307,13 @@ def test_backpressure_bounds_the_queues(serve, tiny):
 def test_an_idle_session_does_not_make_the_batcher_wait(serve, tiny):
     model, _, fp = tiny
     svc = serve(max_wait_ms=300.0)
-    idle = CloudLink.connect("127.0.0.1", svc.port)
+    idle = CloudLink.connect("127.0.0.1", svc.port, **device_keys())
     idle.open(LONG[:9], fp)
     idle.request(P.Verify(0, 9, []), timeout_s=20)  # one request, then silence
     time.sleep(1.0)  # well past its round (twice its gap + max_wait_ms)
     before = svc.stats()
     ref = greedy(model, PROMPT, 6)
-    with CloudLink.connect("127.0.0.1", svc.port) as link:
+    with CloudLink.connect("127.0.0.1", svc.port, **device_keys()) as link:
         link.open(PROMPT, fp)
         for i in range(6):
             assert link.request(P.Verify(i, len(PROMPT) + i, []), timeout_s=20) == \
@@ -330,7 +331,7 @@ def test_an_active_session_is_still_waited_for(serve, tiny):
     for the second (it answered within its round), and the two share batches."""
     model, _, fp = tiny
     svc = serve(max_wait_ms=2000.0)
-    links = [CloudLink.connect("127.0.0.1", svc.port) for _ in range(2)]
+    links = [CloudLink.connect("127.0.0.1", svc.port, **device_keys()) for _ in range(2)]
     for link in links:
         link.open(PROMPT, fp)
     ref = greedy(model, PROMPT, 4)
@@ -361,7 +362,7 @@ def test_an_active_session_is_still_waited_for(serve, tiny):
 def test_health_says_little_without_the_token(serve, tiny):
     _, _, fp = tiny
     svc = serve(health_token="s3cret-token")
-    with CloudLink.connect("127.0.0.1", svc.port) as link:  # traffic of another session
+    with CloudLink.connect("127.0.0.1", svc.port, **device_keys()) as link:  # traffic of another session
         link.open(PROMPT, fp)
         link.request(P.Verify(1, len(PROMPT), []), timeout_s=20)
         public = cloud_health("127.0.0.1", svc.port)
@@ -381,7 +382,7 @@ def test_health_says_little_without_the_token(serve, tiny):
 
 def test_limits_reach_the_service_process_and_the_config(tmp_path, tiny):
     _, _, fp = tiny
-    limits = {"max_connections": 5, "idle_timeout_s": 45.0, "handshake_timeout_s": 7.0,
+    limits = {"max_handshakes": 3, "max_connections": 5, "idle_timeout_s": 45.0, "handshake_timeout_s": 7.0,
               "max_frame_bytes": 4096, "max_pending": 3, "max_queue": 9, "max_draft": 5,
               "max_batch_tokens": 2048}
     assert set(limits) == set(LIMITS)
@@ -391,7 +392,7 @@ def test_limits_reach_the_service_process_and_the_config(tmp_path, tiny):
         assert "max_draft" not in cloud_health("127.0.0.1", port)
         h = cloud_health("127.0.0.1", port, token=proc.health_token)
         assert {k: h[k] for k in limits} == limits and h["pid"] == proc.pid
-        with CloudLink.connect("127.0.0.1", port) as link:
+        with CloudLink.connect("127.0.0.1", port, **device_keys()) as link:
             link.open(PROMPT, fp)
             with pytest.raises(P.RemoteError) as err:  # the child's target got max_draft
                 link.request(P.Verify(1, len(PROMPT), [5] * 6), timeout_s=20)
@@ -401,6 +402,6 @@ def test_limits_reach_the_service_process_and_the_config(tmp_path, tiny):
     assert proc.health_token not in " ".join(proc.args)  # not on the command line
     # the shipped defaults, as the decoding phase passes them
     assert service_limits(compose("default").cloud.service) == {
-        "max_connections": 128, "idle_timeout_s": 300.0, "handshake_timeout_s": 10.0,
+        "max_handshakes": 32, "max_connections": 128, "idle_timeout_s": 300.0, "handshake_timeout_s": 10.0,
         "max_frame_bytes": 65536, "max_pending": 4, "max_queue": 256, "max_draft": 16,
         "max_batch_tokens": 8192}

@@ -1,7 +1,9 @@
 """Device side of cloud collaboration: decode the server's prompts through the cloud service.
 
 The device opens its own encrypted link(s) to the service named in the message
-(:mod:`edgefuse.cloud.link`); its model keeps the LoRA adapter the message carried, which never
+(:mod:`edgefuse.cloud.link`), authenticated with its own identity and the cloud key its own
+trust store pins (:class:`edgefuse.app.device.DeviceHome`: never a key or a folder from the
+server's message or config); its model keeps the LoRA adapter the message carried, which never
 leaves the device. ``cloud.devices`` sessions run at once, sharing this model's weights.
 The speculative modes draft with the configured drafter (``cloud.decode.drafter``,
 :func:`device_drafter`).
@@ -23,6 +25,7 @@ from dataclasses import replace
 import torch
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 
+from edgefuse.app.device import DeviceHome
 from edgefuse.cloud.decoding import DraftHead, DrafterSpec, auth_from_config, decode_config, drafter_spec
 from edgefuse.cloud.devices import pruned_head, run_devices
 from edgefuse.cloud.target import tokenizer_fingerprint
@@ -95,20 +98,22 @@ def decode(msg: Message, context: Context, client) -> RecordDict:
     dcfg = decode_config(c, auth=auth_from_config(cfg.get("privacy")))
     spec, head = device_drafter(cfg, model, tok)
     host, port, wan = str(conf["host"]), int(conf["port"]), WanProfile.from_name(str(c.wan))
+    home = DeviceHome.of(context.node_config)  # this device's keys, whatever the server says
+    keys = {"identity": home.identity(), "trust": home.trust()}
     threads = torch.get_num_threads()
     torch.set_num_threads(int(c.threads))
     try:
         records, wall = run_devices(
             model, tok, sent, list(c.modes), dcfg, host, port, wan, int(c.devices),
             tokenizer_fingerprint(tok), max_prompt_tokens=int(c.eval.max_prompt_tokens), head=head,
-            drafter=spec)
+            drafter=spec, **keys)
         n_live = int(cfg.privacy.probe.get("live_canaries", 0)) if cfg.get("privacy") and cfg.privacy.enabled else 0
         if n_live > 0:  # canaries through the live link: the audit scans these frames
             canaries = _canary_queries(cfg, n_live)
             canary_sent, _ = protect_queries(canaries, mode, model, tok, redactor, max_new, attempts)
             run_devices(model, tok, canary_sent, ["spec_sync"], replace(dcfg, max_new_tokens=4), host, port,
                         wan, 1, tokenizer_fingerprint(tok), max_prompt_tokens=int(c.eval.max_prompt_tokens),
-                        head=head, drafter=spec)
+                        head=head, drafter=spec, **keys)
     finally:
         torch.set_num_threads(threads)
     by_qid = {q.qid: m for q, m in zip(queries, maps)}

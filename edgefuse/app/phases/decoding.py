@@ -91,7 +91,9 @@ class Decoding(Phase):
         facts}}``. Raises :class:`DecodingError` (no device client) or
         :class:`~edgefuse.app.messages.NodeError` (the device failed); the service is stopped
         in all cases."""
-        from edgefuse.cloud.service import service_limits, start_service_process, stop_service_process
+        from edgefuse.app.device import keys_root
+        from edgefuse.cloud.service import (default_service_keys, service_limits,
+                                            start_service_process, stop_service_process)
 
         cfg, out = ctx.cfg, ctx.out
         c = cfg.cloud
@@ -99,13 +101,15 @@ class Decoding(Phase):
         queries = load_queries(cfg)
         svc = c.service
         t0 = time.perf_counter()
+        identity_path, authorized_path = default_service_keys(keys_root())  # the operator's keys
         log(INFO, "cloud: starting the service with %s (log: %s)", c.model, out / "cloud_service.log")
         proc, port = start_service_process(
             str(c.model), str(c.host), int(c.port), max_batch=int(svc.max_batch),
             max_wait_ms=float(svc.max_wait_ms), max_sessions=int(svc.max_sessions),
             threads=int(svc.threads), max_context=int(svc.max_context),
             log_path=out / "cloud_service.log", timeout_s=float(svc.start_timeout_s),
-            cache_dir=cfg.paths.cache_dir, **service_limits(svc))
+            cache_dir=cfg.paths.cache_dir, identity_path=identity_path,
+            authorized_path=authorized_path, **service_limits(svc))
         started = time.perf_counter() - t0
         try:
             log(INFO, "cloud: partition %d (%s) decodes %d prompts in %d modes with %d sessions over %s",
