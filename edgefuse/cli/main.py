@@ -136,6 +136,16 @@ def _cloud(argv: list[str]) -> int:
                    help="drafted tokens per VERIFY, at most; more get ERROR limit (default 16)")
     s.add_argument("--max-batch-tokens", type=int, default=8192,
                    help="token rows per forward pass, at most (>= --max-context; default 8192)")
+    s.add_argument("--max-handshakes", type=int, default=None,
+                   help="connections not yet authenticated at once; more are closed on accept "
+                        "(default min(32, --max-connections))")
+    s.add_argument("--identity", default=None,
+                   help="the service's Ed25519 identity key (default <keys root>/cloud/identity.key)")
+    s.add_argument("--authorized-devices", default=None,
+                   help="the devices it serves (default <keys root>/cloud/authorized_devices.json)")
+    s.add_argument("--insecure-anonymous", action="store_true",
+                   help="anonymous handshake only, no identities (benchmark comparison only; "
+                        "authenticated devices are refused)")
     s.add_argument("--port-file", default=None, help="write the bound port here once listening")
     s.add_argument("--log-level", default="INFO", help="logging level on stderr (default INFO)")
     s.add_argument("--cache-dir", default=None, help=CACHE_HELP)
@@ -171,13 +181,22 @@ def _cloud(argv: list[str]) -> int:
                    help="the most past tokens the cloud may keep and attend to "
                         "(default: privacy.cloud_auth.l_cache, unlimited)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument("--device-dir", default=None,
+                   help="the device home whose identity and pinned cloud key authenticate the link "
+                        "(default <keys root>/devices/partition-0)")
+    g.add_argument("--trust-on-first-use", action="store_true",
+                   help="if the device home pins no cloud key yet, print the cloud's fingerprint and pin it")
     g.add_argument("--cache-dir", default=None, help=CACHE_HELP)
     g.add_argument("--data-mirror", default=None,
                    help="data mirror for --draft-head's corpus (default: data.mirror, $EDGEFUSE_DATA_MIRROR, "
                         "../shared/data, the hub; 'hub' = the hub)")
     args = parser.parse_args(argv)
     if args.cmd == "generate":
+        from edgefuse.app.device import DeviceHome
         from edgefuse.cloud.chat import run
+
+        if args.device_dir is None:
+            args.device_dir = str(DeviceHome.of({"partition-id": 0}).path)
         from edgefuse.cloud.decoding import DecodeError
         from edgefuse.models import ModelFetchError, ModelSpecError
 
@@ -202,13 +221,16 @@ def _cloud(argv: list[str]) -> int:
         return 0
     import logging
 
-    from edgefuse.cloud.service import serve
+    from edgefuse.app.device import keys_root
+    from edgefuse.cloud.service import default_service_keys, serve
     from edgefuse.models import ModelFetchError, ModelSpecError
+    from edgefuse.transport.identity import IdentityError
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # serve() loads through edgefuse.models.cache_dir(), which reads EDGEFUSE_CACHE
     os.environ["EDGEFUSE_CACHE"] = str(resolve_paths(cache_dir=args.cache_dir).cache_dir)
+    default_identity, default_authorized = default_service_keys(keys_root())
     try:
         serve(args.model, args.host, args.port, max_batch=args.max_batch,
               max_wait_ms=args.max_wait_ms, max_sessions=args.max_sessions, threads=args.threads,
@@ -216,8 +238,11 @@ def _cloud(argv: list[str]) -> int:
               max_connections=args.max_connections, idle_timeout_s=args.idle_timeout_s,
               handshake_timeout_s=args.handshake_timeout_s, max_frame_bytes=args.max_frame_bytes,
               max_pending=args.max_pending, max_queue=args.max_queue, max_draft=args.max_draft,
-              max_batch_tokens=args.max_batch_tokens)
-    except (ModelSpecError, ModelFetchError, ValueError, OSError) as e:
+              max_batch_tokens=args.max_batch_tokens, max_handshakes=args.max_handshakes,
+              identity_path=args.identity or default_identity,
+              authorized_path=args.authorized_devices or default_authorized,
+              insecure_anonymous=args.insecure_anonymous)
+    except (ModelSpecError, ModelFetchError, IdentityError, ValueError, OSError) as e:
         raise CLIError(e) from None
     return 0
 
