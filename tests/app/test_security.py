@@ -118,9 +118,9 @@ def test_no_key_material_in_logs_reprs_or_attributes(recording, caplog):
     with pytest.raises(TamperedFrameError) as err:
         srv.open(bytes(bad))
     log.debug("rejected: %s", err.value)
-    # a C2C node key pair kept in Flower's context state
+    # a C2C run prekey kept in Flower's context state
     ctx = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
-    node = c2c.keypair(ctx)
+    node = c2c.prekey(ctx)
     objects = [device, cloud, dev, srv, node]
     for obj in objects:
         log.debug("object %r / %s", obj, obj)
