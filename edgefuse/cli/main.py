@@ -8,6 +8,9 @@
     edgefuse cloud serve --model NAME [--port 39200 ...]   the cloud LLM service (until SIGINT/SIGTERM)
     edgefuse cloud health [--host H --port P]              a running service's status (JSON)
     edgefuse cloud generate --mode MODE [--prompt TEXT]    complete a prompt / chat through the cloud link
+    edgefuse keys init --partitions N [--root DIR]        identities and pins of the cloud and N devices
+    edgefuse keys show [--device-dir DIR | --root DIR]    names, fingerprints and pins
+    edgefuse keys safety-number A B [--root DIR | --device-dir DIR]   the number two operators compare
 """
 
 from __future__ import annotations
@@ -247,6 +250,96 @@ def _cloud(argv: list[str]) -> int:
     return 0
 
 
+def _keys(argv: list[str]) -> int:
+    """``edgefuse keys init | show | safety-number``: the operator's view of the identities
+    (:mod:`edgefuse.transport.identity`) under a keys root (default
+    :func:`edgefuse.app.device.keys_root`)."""
+    from pathlib import Path
+
+    from edgefuse.app.device import keys_root
+    from edgefuse.transport.identity import (AUTHORIZED_FILE, CLOUD, IDENTITY_FILE, TRUST_FILE, IdentityError,
+                                             TrustStore,
+                                             check_name, cloud_dir, device_dir, fingerprint, load_identity,
+                                             provision, safety_number)
+
+    root_help = "keys root (default: $EDGEFUSE_KEYS, else <edgefuse cache>/identity)"
+    parser = Parser(prog="edgefuse keys")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    i = sub.add_parser("init", help="make (or keep) the cloud's and N devices' identities and pins")
+    i.add_argument("--partitions", type=int, required=True, help="number of devices (partition ids 0..N-1)")
+    i.add_argument("--root", default=None, help=root_help)
+    s = sub.add_parser("show", help="one identity's name and fingerprint, and the keys it pins")
+    where = s.add_mutually_exclusive_group()
+    where.add_argument("--device-dir", default=None, help="a device's own folder (identity.key, trust.json)")
+    where.add_argument("--root", default=None, help=root_help + "; shows every identity under it")
+    n = sub.add_parser("safety-number", help="the number the operators of two ends compare out of band")
+    n.add_argument("name_a", help="cloud or device-<pid>")
+    n.add_argument("name_b", help="cloud or device-<pid>")
+    n_where = n.add_mutually_exclusive_group()
+    n_where.add_argument("--root", default=None, help=root_help)
+    n_where.add_argument("--device-dir", default=None,
+                         help="a device's own folder: its own key and the keys it pins (what its operator compares)")
+    args = parser.parse_args(argv)
+    root = Path(args.root).expanduser().resolve() if getattr(args, "root", None) else keys_root()
+
+    def folder(name: str) -> Path:
+        check_name(name)
+        if name == CLOUD:
+            return cloud_dir(root)
+        pid = name.removeprefix("device-")
+        if not name.startswith("device-") or not pid.isdigit():
+            raise IdentityError(f"unknown name {name!r}: use {CLOUD} or device-<partition id>")
+        return device_dir(root, int(pid))
+
+    def own(path: Path) -> tuple:
+        if not (path / IDENTITY_FILE).exists():
+            raise IdentityError(f"no identity at {path / IDENTITY_FILE}")
+        ident = load_identity(path / IDENTITY_FILE)
+        store = TrustStore.load(path / (AUTHORIZED_FILE if (path / AUTHORIZED_FILE).exists() else TRUST_FILE))
+        return ident, store, store.find(ident.public_bytes()) or path.name
+
+    def public(name: str) -> bytes:
+        if args.device_dir:  # this device's own key, else the key it pins for the name
+            ident, store, me = own(Path(args.device_dir).expanduser().resolve())
+            return ident.public_bytes() if name == me else store.get(check_name(name))
+        path = folder(name) / IDENTITY_FILE
+        if not path.exists():
+            raise IdentityError(f"no identity for {name} at {path} (edgefuse keys init --root {root})")
+        return load_identity(path).public_bytes()
+
+    def show(path: Path, name: str | None = None) -> None:
+        ident, store, me = own(path)
+        print(f"{name or me}  {ident.fingerprint}  ({path})")
+        for pinned in store.names():
+            print(f"  pins {pinned:<12} {fingerprint(store.get(pinned))}")
+
+    try:
+        if args.cmd == "init":
+            for name, fp in provision(root, args.partitions).items():
+                print(f"{name:<12} {fp}")
+            print(f"keys root: {root}")
+            return 0
+        if args.cmd == "safety-number":
+            a, b = public(args.name_a), public(args.name_b)
+            print(f"{args.name_a} <-> {args.name_b}: {safety_number(a, b)}")
+            return 0
+        if args.device_dir:
+            show(Path(args.device_dir).expanduser().resolve())
+            return 0
+        homes = [(cloud_dir(root), CLOUD)] + sorted(
+            ((p, f"device-{p.name.removeprefix('partition-')}") for p in (root / "devices").glob("partition-*")
+             if p.name.removeprefix("partition-").isdigit()),
+            key=lambda x: int(x[0].name.removeprefix("partition-")))
+        homes = [(p, name) for p, name in homes if (p / IDENTITY_FILE).exists()]
+        if not homes:
+            raise IdentityError(f"no identities under {root} (edgefuse keys init --partitions N --root {root})")
+        for path, name in homes:
+            show(path, name)
+        return 0
+    except (IdentityError, OSError) as e:
+        raise CLIError(e) from None
+
+
 def _check_run_overrides(items: list[str]) -> None:
     """Compose the config of ``edgefuse run``'s first job before Hydra starts, so a bad
     override is one line here, not Hydra's report. A sweep (``a=1,2``) is checked with its
@@ -298,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
             return _fusers(argv[1:])
         if argv[0] == "cloud":
             return _cloud(argv[1:])
+        if argv[0] == "keys":
+            return _keys(argv[1:])
         if argv[0] == "run":
             if not any(a in ("-h", "--help", "--hydra-help") for a in argv[1:]):
                 _check_run_overrides(argv[1:])
@@ -305,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
 
             sys.argv = [sys.argv[0], *argv[1:]]
             return hydra_main() or 0
-        raise CLIError(f"unknown command {argv[0]!r}: use models, fusers, run or cloud (edgefuse --help)")
+        raise CLIError(f"unknown command {argv[0]!r}: use models, fusers, run, cloud or keys (edgefuse --help)")
     except CLIError as e:
         print(f"edgefuse: error: {one_line(e)}", file=sys.stderr)
         return e.status

@@ -1,0 +1,83 @@
+"""``edgefuse keys``: init prints what provisioning made, show lists an identity and its pins,
+safety-number is the same on both ends unless a pin was swapped; every error is one line."""
+
+import os
+
+import pytest
+
+from edgefuse.cli.main import main
+from edgefuse.transport.identity import (Identity, TrustStore, device_dir, fingerprint, load_identity,
+                                         safety_number)
+from tests.cli.test_cli_errors import cli
+
+
+def run(capsys, *args) -> list[str]:
+    assert main(list(args)) == 0
+    return capsys.readouterr().out.splitlines()
+
+
+def test_init_show_and_safety_number(tmp_path, capsys):
+    root = str(tmp_path)
+    out = run(capsys, "keys", "init", "--partitions", "2", "--root", root)
+    keys = {n: load_identity(device_dir(tmp_path, p) / "identity.key") for p, n in enumerate(["device-0", "device-1"])}
+    keys["cloud"] = load_identity(tmp_path / "cloud" / "identity.key")
+    assert out == [f"{n:<12} {keys[n].fingerprint}" for n in ("cloud", "device-0", "device-1")] + [f"keys root: {tmp_path}"]
+    assert run(capsys, "keys", "init", "--partitions", "2", "--root", root) == out  # kept, not remade
+
+    shown = run(capsys, "keys", "show", "--device-dir", str(device_dir(tmp_path, 1)))
+    assert shown == [f"device-1  {keys['device-1'].fingerprint}  ({device_dir(tmp_path, 1)})"] + [
+        f"  pins {n:<12} {keys[n].fingerprint}" for n in ("cloud", "device-0", "device-1")]
+    every = run(capsys, "keys", "show", "--root", root)
+    assert [line.split("  ")[0] for line in every if not line.startswith(" ")] == ["cloud", "device-0", "device-1"]
+
+    want = safety_number(keys["device-0"].public_bytes(), keys["device-1"].public_bytes())
+    assert len(want.replace(" ", "")) == 60
+    line = f"device-0 <-> device-1: {want}"
+    assert run(capsys, "keys", "safety-number", "device-0", "device-1", "--root", root) == [line]
+    # each operator on their own device: its own key and its pin for the other
+    assert run(capsys, "keys", "safety-number", "device-0", "device-1", "--device-dir",
+               str(device_dir(tmp_path, 0))) == [line]
+    assert run(capsys, "keys", "safety-number", "device-1", "device-0", "--device-dir",
+               str(device_dir(tmp_path, 1))) == [f"device-1 <-> device-0: {want}"]
+
+
+def test_a_swapped_pin_shows_as_a_different_safety_number(tmp_path, capsys):
+    """Someone replaced device-1's pin for device-0: the two operators read different numbers."""
+    run(capsys, "keys", "init", "--partitions", "2", "--root", str(tmp_path))
+    store = TrustStore.load(device_dir(tmp_path, 1) / "trust.json")
+    evil = Identity.generate()
+    store.pin("device-0", evil.public_bytes(), replace=True)
+    store.save()
+    on_0 = run(capsys, "keys", "safety-number", "device-0", "device-1", "--device-dir", str(device_dir(tmp_path, 0)))
+    on_1 = run(capsys, "keys", "safety-number", "device-0", "device-1", "--device-dir", str(device_dir(tmp_path, 1)))
+    assert on_0 != on_1
+    assert f"  pins device-0     {fingerprint(evil.public_bytes())}" in run(
+        capsys, "keys", "show", "--device-dir", str(device_dir(tmp_path, 1)))
+
+
+def test_errors_are_one_line(tmp_path):
+    root = str(tmp_path)
+    rc, line = cli("keys", "init", "--partitions", "0", "--root", root)
+    assert rc == 2 and line == "edgefuse: error: num_partitions must be >= 1, got 0"
+    rc, line = cli("keys", "show", "--root", str(tmp_path / "none"))
+    assert rc == 2 and line.startswith(f"edgefuse: error: no identities under {tmp_path / 'none'}")
+    assert main(["keys", "init", "--partitions", "1", "--root", root]) == 0
+    rc, line = cli("keys", "safety-number", "device-0", "device-9", "--root", root)
+    assert rc == 2 and line.startswith("edgefuse: error: no identity for device-9 at ")
+    rc, line = cli("keys", "safety-number", "device-0", "../etc", "--root", root)
+    assert rc == 2 and line.startswith("edgefuse: error: bad identity name '../etc'")
+    rc, line = cli("keys", "safety-number", "device-0", "bob", "--root", root)
+    assert rc == 2 and line == "edgefuse: error: unknown name 'bob': use cloud or device-<partition id>"
+    rc, line = cli("keys", "safety-number", "device-0", "device-5", "--device-dir", str(device_dir(tmp_path, 0)))
+    assert rc == 2 and line.startswith("edgefuse: error: no key is pinned for 'device-5'")
+    os.chmod(device_dir(tmp_path, 0) / "identity.key", 0o644)
+    rc, line = cli("keys", "show", "--device-dir", str(device_dir(tmp_path, 0)))
+    assert rc == 2 and "is readable by others (mode 644); chmod 600 it" in line
+    rc, line = cli("keys", "frobnicate")
+    assert rc == 2 and line.startswith("edgefuse keys: error: argument cmd: invalid choice")
+
+
+@pytest.mark.parametrize("argv", [["keys", "show", "--root", "a", "--device-dir", "b"]])
+def test_show_takes_one_place(argv):
+    rc, line = cli(*argv)
+    assert rc == 2 and "not allowed with argument" in line
