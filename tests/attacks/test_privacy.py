@@ -341,6 +341,7 @@ def test_live_cloud_link_frames_are_scanned(mode, canary_setup, tiny, fresh_audi
     """OPEN through a real CloudLink to an in-process cloud service."""
     from edgefuse.cloud.link import CloudLink
     from edgefuse.cloud.service import CloudService
+    from tests.cloud.conftest import device_keys, service_keys
     from edgefuse.cloud.target import Target, tokenizer_fingerprint
     from edgefuse.models import tiny_model
     from edgefuse.privacy.protect import protect_batch
@@ -349,11 +350,12 @@ def test_live_cloud_link_frames_are_scanned(mode, canary_setup, tiny, fresh_audi
     prompts, _ = canary_setup
     sent = [p.text for p in protect_batch([p.text for p in prompts], mode, redactor=redactor)]
     model, ttok = tiny_model("qwen2")
-    svc = CloudService(Target(model, ttok, "tiny-qwen2", max_context=1024), "127.0.0.1", 0)
+    svc = CloudService(Target(model, ttok, "tiny-qwen2", max_context=1024), "127.0.0.1", 0,
+                       **service_keys())
     svc.start_in_thread()
     try:
         for text in sent:
-            with CloudLink.connect("127.0.0.1", svc.port) as link:
+            with CloudLink.connect("127.0.0.1", svc.port, **device_keys()) as link:
                 link.open(ids_of(tok, text), tokenizer_fingerprint(tok), max_new=4)
     finally:
         svc.stop()

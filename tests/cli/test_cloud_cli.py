@@ -25,7 +25,7 @@ from edgefuse.cloud.service import CloudService
 from edgefuse.cloud.target import Target
 from edgefuse.models import load_model
 from tests.cli.test_cli_errors import cli, free_port
-from tests.cloud.conftest import target_greedy
+from tests.cloud.conftest import service_keys, target_greedy
 from tests.cloud.test_cloud_auth import ref_greedy
 
 PROMPT = "Tell me about the quick brown fox."
@@ -52,7 +52,8 @@ def target():
 @pytest.fixture(scope="module")
 def service(target):
     model, tok = target
-    svc = CloudService(RecordingTarget(model, tok, "tiny-qwen2"), "127.0.0.1", 0, max_wait_ms=2)
+    svc = CloudService(RecordingTarget(model, tok, "tiny-qwen2"), "127.0.0.1", 0, max_wait_ms=2,
+                       **service_keys())
     svc.start_in_thread()
     yield svc
     svc.stop()
@@ -199,7 +200,7 @@ def test_bad_arguments_are_one_line_errors(args, rc, line):
 
 def test_a_dead_service_is_one_line_and_exit_1(target):
     model, tok = target
-    svc = CloudService(Target(model, tok, "tiny-qwen2"), "127.0.0.1", 0)
+    svc = CloudService(Target(model, tok, "tiny-qwen2"), "127.0.0.1", 0, **service_keys())
     svc.start_in_thread()
     port = svc.port
     svc.stop()

@@ -80,7 +80,11 @@ def test_real_service_loads_the_model_from_the_given_cache(tmp_path):
     (given / "models" / "smollm2-135m").symlink_to(real)
     env = {**os.environ, "EDGEFUSE_CACHE": str(tmp_path / "empty"), "PIP_NO_INDEX": "1",
            "PIP_FIND_LINKS": ""}
+    from edgefuse.app.device import keys_root
+
+    identity, authorized = service.default_service_keys(keys_root())  # before EDGEFUSE_CACHE moves
     proc, port = service.start_service_process("smollm2-135m", cache_dir=given, env=env,
+                                               identity_path=identity, authorized_path=authorized,
                                                log_path=tmp_path / "service.log", timeout_s=300)
     try:
         from edgefuse.cloud.link import cloud_health
