@@ -42,7 +42,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from edgefuse.cloud.decoding import DRAFTERS, MODES, DecodeConfig, DrafterSpec  # noqa: E402
+from edgefuse.app.device import DeviceHome, keys_root  # noqa: E402
 from edgefuse.cloud.devices import pruned_head, run_devices, summarize, table  # noqa: E402
+from edgefuse.transport.identity import provision  # noqa: E402
 from edgefuse.cloud.service import start_service_process, stop_service_process  # noqa: E402
 from edgefuse.cloud.target import tokenizer_fingerprint  # noqa: E402
 from edgefuse.config import compose, resolve_paths  # noqa: E402
@@ -224,6 +226,10 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     log_path = out.with_name(out.stem + "_service.log")
     t_start = time.perf_counter()
+    # every simulated device is a provisioned one (its own identity; the cloud authorizes it)
+    provision(keys_root(), max(args.devices))
+    homes = [DeviceHome.of({"partition-id": d}) for d in range(max(args.devices))]
+    device_keys = [(h.identity(), h.trust()) for h in homes]
     proc, port = start_service_process(args.target_model, max_batch=args.max_batch,
                                        max_wait_ms=args.max_wait_ms, threads=args.threads,
                                        log_path=log_path, timeout_s=900)
@@ -242,7 +248,8 @@ def main(argv=None) -> int:
             cfg_ = dcfg if gamma is None else DecodeConfig(max_new_tokens=args.max_new_tokens, gamma=gamma,
                                                            timeout_s=600)
             recs, wall = run_devices(model, tok, qs, modes, cfg_, "127.0.0.1", port, wan, devices, fp,
-                                     head=head, progress=progress, drafter=spec)
+                                     head=head, progress=progress, drafter=spec,
+                                     device_keys=device_keys[:devices])
             got = summarize(recs, wall, tok, rtt, devices, greedy=True)
             for r in got:
                 r["gamma"] = cfg_.gamma
