@@ -315,4 +315,6 @@ def test_a_tighter_config_is_accepted_and_decoded_through_the_cloud(tmp_path, mo
     assert str(dec["protection"]) == ("both" if "privacy.protection=both" in over else "off")
     stats = json.loads(str(reply.content["privacy_audit"]["stats"]))
     assert stats["draft_tokens"]["payloads"] > 0  # the cloud frames passed the audit
+    if "privacy.protection=both" in over:  # the live canary went too, under the accepted protection
+        assert cfg.privacy.probe.live_canaries == 1 and stats["draft_tokens"]["canary_hits"] == 0
     assert time.time() - t0 < 300

@@ -3,6 +3,13 @@
 The probe (:mod:`edgefuse.attacks.probe`) protects canary prompts on the device, builds every
 payload type with the real encoders, counts canary hits and runs the inversion attackers. Only
 the figures leave the device; the canary prompts and their protected forms do not.
+
+Device floors (:mod:`edgefuse.privacy.floors`): the probe opens no link, so its offline
+measurements under every ``privacy.probe.modes`` mode (``none`` included: synthetic canaries
+that never leave) run whatever the floor; ``query.privacy`` is checked for ``debug_text``
+only. The live canaries go through the cloud link in ``query.decode``
+(:func:`edgefuse.app.handlers.decoding.decode`), protected with the same mode as the prompts,
+which the floor check of that message has already accepted.
 """
 
 from __future__ import annotations
