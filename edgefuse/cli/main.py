@@ -11,6 +11,8 @@
     edgefuse keys init --partitions N [--root DIR]        identities and pins of the cloud and N devices
     edgefuse keys show [--device-dir DIR | --root DIR]    names, fingerprints and pins
     edgefuse keys safety-number A B [--root DIR | --device-dir DIR]   the number two operators compare
+    edgefuse deploy certs --out DIR [--host NAME ...]     a CA and the SuperLink's TLS certificate
+    edgefuse deploy supernode-keys --out DIR --nodes N     SuperNode authentication key pairs
 """
 
 from __future__ import annotations
@@ -393,6 +395,10 @@ def main(argv: list[str] | None = None) -> int:
             return _cloud(argv[1:])
         if argv[0] == "keys":
             return _keys(argv[1:])
+        if argv[0] == "deploy":
+            from edgefuse.cli.deploy import main as deploy_main
+
+            return deploy_main(argv[1:])
         if argv[0] == "run":
             if not any(a in ("-h", "--help", "--hydra-help") for a in argv[1:]):
                 _check_run_overrides(argv[1:])
@@ -400,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
 
             sys.argv = [sys.argv[0], *argv[1:]]
             return hydra_main() or 0
-        raise CLIError(f"unknown command {argv[0]!r}: use models, fusers, run, cloud or keys (edgefuse --help)")
+        raise CLIError(f"unknown command {argv[0]!r}: use models, fusers, run, cloud, keys or deploy (edgefuse --help)")
     except CLIError as e:
         print(f"edgefuse: error: {one_line(e)}", file=sys.stderr)
         return e.status
