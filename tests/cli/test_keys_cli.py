@@ -41,8 +41,10 @@ def test_init_show_and_safety_number(tmp_path, capsys):
                str(device_dir(tmp_path, 1))) == [f"device-1 <-> device-0: {want}"]
 
 
-def test_a_swapped_pin_shows_as_a_different_safety_number(tmp_path, capsys):
-    """Someone replaced device-1's pin for device-0: the two operators read different numbers."""
+def test_a_swapped_pin_shows_as_a_different_safety_number(tmp_path, capsys, monkeypatch):
+    """Someone replaced device-1's pin for device-0: the two operators read different numbers
+    (the keys root holds the real key files, so reading those instead of the pin would hide it)."""
+    monkeypatch.setenv("EDGEFUSE_KEYS", str(tmp_path))
     run(capsys, "keys", "init", "--partitions", "2", "--root", str(tmp_path))
     store = TrustStore.load(device_dir(tmp_path, 1) / "trust.json")
     evil = Identity.generate()
