@@ -31,6 +31,7 @@ or ``both`` (:func:`protection_at_least`).
 
 from __future__ import annotations
 
+import reprlib
 from dataclasses import dataclass, field, fields as dc_fields, replace
 from pathlib import Path
 from typing import Any, Collection, Mapping
@@ -47,6 +48,15 @@ NODE_KEYS = {"floor-protection": "protection", "floor-debug-text": "debug_text",
 """node_config key -> floor attribute (``floor-l-cache`` takes an int or ``none``)."""
 _FILE_KEYS = {"protection", "debug_text", "cloud", "cloud_cache", "c2c_share"}
 _CACHE_KEYS = {"flag_cache", "l_cache"}
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxdict, _REPR.maxlist, _REPR.maxstring, _REPR.maxother = 2, 4, 4, 60, 60
+
+
+def _short(value: Any) -> str:
+    """A bounded repr for error messages: a YAML alias bomb or a huge server value stays short."""
+    return _REPR.repr(value)
 
 
 class FloorError(ValueError):
@@ -112,14 +122,14 @@ def _bool(value: Any, where: str) -> bool:
         return value
     if isinstance(value, str) and value.strip().lower() in ("true", "false"):
         return value.strip().lower() == "true"
-    raise FloorError(f"{where}: expected true or false, got {value!r}")
+    raise FloorError(f"{where}: expected true or false, got {_short(value)}")
 
 
 def _protection(value: Any, where: str) -> str:
     if value is False:  # YAML 1.1 reads an unquoted `off` as false
         return "off"
     if not isinstance(value, str) or value not in PROTECTIONS:
-        raise FloorError(f"{where}: expected one of {', '.join(PROTECTIONS)}, got {value!r}")
+        raise FloorError(f"{where}: expected one of {', '.join(PROTECTIONS)}, got {_short(value)}")
     return value
 
 
@@ -129,7 +139,7 @@ def _l_cache(value: Any, where: str) -> int | None:
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value.strip())
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**32 - 1:
-        raise FloorError(f"{where}: expected null or an integer in 0..{2**32 - 2}, got {value!r}")
+        raise FloorError(f"{where}: expected null or an integer in 0..{2**32 - 2}, got {_short(value)}")
     return value
 
 
@@ -152,18 +162,18 @@ def parse(data: Any, where: str) -> dict:
         return {}
     if not isinstance(data, Mapping):
         raise FloorError(f"{where}: expected a mapping of floor keys, got {type(data).__name__}")
-    unknown = sorted(str(k) for k in data if k not in _FILE_KEYS)
+    unknown = sorted(_short(k) for k in data if k not in _FILE_KEYS)
     if unknown:
-        raise FloorError(f"{where}: unknown keys {unknown}; known: {', '.join(sorted(_FILE_KEYS))}")
+        raise FloorError(f"{where}: unknown keys {', '.join(unknown)}; known: {', '.join(sorted(_FILE_KEYS))}")
     out = {}
     for key, value in data.items():
         if key == "cloud_cache":
             if not isinstance(value, Mapping):
                 raise FloorError(f"{where}: cloud_cache: expected a mapping with flag_cache / l_cache, "
-                                 f"got {value!r}")
-            bad = sorted(str(k) for k in value if k not in _CACHE_KEYS)
+                                 f"got {_short(value)}")
+            bad = sorted(_short(k) for k in value if k not in _CACHE_KEYS)
             if bad:
-                raise FloorError(f"{where}: cloud_cache: unknown keys {bad}; known: flag_cache, l_cache")
+                raise FloorError(f"{where}: cloud_cache: unknown keys {', '.join(bad)}; known: flag_cache, l_cache")
             for k, v in value.items():
                 out[k] = _PARSE[k](v, f"{where}: cloud_cache.{k}")
         else:
@@ -233,8 +243,10 @@ def _server_protection(cfg, entry, entry_key: str) -> tuple[str, str]:
         key = "privacy.protection"
     try:
         mode = client_protection(cfg, entry)
-    except ValueError as e:
-        raise FloorViolation(f"protection: the server's {key}: {e}") from None
+    except ValueError:
+        raw = entry.get("protection") if key != "privacy.protection" else _cfg_get(cfg, "privacy", "protection")
+        raise FloorViolation(f"protection: the server's {key}={_short(raw)} is not one of "
+                             f"{', '.join(PROTECTIONS)}") from None
     return mode, f"{key}={mode!r}"
 
 
@@ -256,7 +268,7 @@ def violations(cfg, entry, floor: PrivacyFloor, fields: Collection[str] = FIELDS
     out = []
 
     def show(v) -> str:
-        return "null" if v is None else str(v).lower() if isinstance(v, bool) else repr(v)
+        return "null" if v is None else str(v).lower() if isinstance(v, bool) else _short(v)
 
     def refuse(name: str, server: str, attr: str) -> None:
         out.append(f"{name}: the server's {server} is looser than this device's floor "
@@ -274,11 +286,11 @@ def violations(cfg, entry, floor: PrivacyFloor, fields: Collection[str] = FIELDS
         flag = _cfg_get(cfg, "privacy", "cloud_auth", "flag_cache", default=True)
         lc = _cfg_get(cfg, "privacy", "cloud_auth", "l_cache", default=None)
         if not isinstance(flag, bool):
-            out.append(f"cloud_cache: the server's privacy.cloud_auth.flag_cache={flag!r} is not a bool")
+            out.append(f"cloud_cache: the server's privacy.cloud_auth.flag_cache={_short(flag)} is not a bool")
         elif flag and not floor.flag_cache:
             refuse("cloud_cache", "privacy.cloud_auth.flag_cache=true", "flag_cache")
         if lc is not None and (isinstance(lc, bool) or not isinstance(lc, int) or lc < 0):
-            out.append(f"cloud_cache: the server's privacy.cloud_auth.l_cache={lc!r} is not null or "
+            out.append(f"cloud_cache: the server's privacy.cloud_auth.l_cache={_short(lc)} is not null or "
                        "an integer >= 0")
         elif floor.l_cache is not None and (lc is None or lc > floor.l_cache):
             refuse("cloud_cache", f"privacy.cloud_auth.l_cache={show(lc)}", "l_cache")

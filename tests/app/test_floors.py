@@ -234,7 +234,7 @@ def test_node_config_floor_keys(tmp_path, listener, loads):
 @pytest.mark.parametrize("text,needle", [
     ("protection: [both\n", "not valid YAML"),
     ("protection: most\n", "protection: expected one of off, redact, rephrase, both, got 'most'"),
-    ("cloud_cache: {keep: everything}\n", "cloud_cache: unknown keys ['keep']"),
+    ("cloud_cache: {keep: everything}\n", "cloud_cache: unknown keys 'keep'; known: flag_cache, l_cache"),
 ])
 def test_a_malformed_floor_file_refuses_every_message(tmp_path, listener, loads, text, needle):
     home = home_with(tmp_path, text)

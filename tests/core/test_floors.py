@@ -131,8 +131,13 @@ def test_malformed_server_values_are_refused(tmp_path):
                      "cloud_cache: the server's privacy.cloud_auth.l_cache=-3 is not null or an integer >= 0"]
     cfg, entry = _cfg()
     cfg.privacy.protection = "sometimes"
-    with pytest.raises(FloorViolation, match="protection: the server's privacy.protection: unknown"):
+    with pytest.raises(FloorViolation, match="protection: the server's privacy.protection='sometimes' is not one "
+                                             "of off, redact, rephrase, both"):
         check(cfg, entry, DEFAULT)
+    cfg, entry = _cfg()
+    cfg.privacy.debug_text = "x" * 1_000_000  # a huge value is quoted short
+    (line,) = violations(cfg, entry, DEFAULT)
+    assert line.startswith("debug_text: the server's privacy.debug_text='xxx") and len(line) < 300
 
 
 def test_file_then_node_config_keys(tmp_path):
@@ -161,13 +166,13 @@ def test_file_then_node_config_keys(tmp_path):
     ("protection: [redact\n", "not valid YAML"),
     ("- redact\n", "expected a mapping of floor keys, got list"),
     ("protection: maximal\n", "protection: expected one of off, redact, rephrase, both, got 'maximal'"),
-    ("protections: redact\n", "unknown keys ['protections']"),
+    ("protections: redact\n", "unknown keys 'protections'; known: c2c_share, cloud, cloud_cache, debug_text, protection"),
     ("debug_text: yes please\n", "debug_text: expected true or false, got 'yes please'"),
     ("cloud: 1\n", "cloud: expected true or false, got 1"),
     ("cloud_cache: 64\n", "cloud_cache: expected a mapping"),
     ("cloud_cache: {l_cache: -1}\n", "cloud_cache.l_cache: expected null or an integer"),
     ("cloud_cache: {l_cache: true}\n", "cloud_cache.l_cache: expected null or an integer"),
-    ("cloud_cache: {keep: all}\n", "cloud_cache: unknown keys ['keep']"),
+    ("cloud_cache: {keep: all}\n", "cloud_cache: unknown keys 'keep'; known: flag_cache, l_cache"),
 ])
 def test_a_malformed_floor_file_is_a_clear_error(tmp_path, text, needle):
     path = tmp_path / "floors.yaml"
@@ -175,6 +180,23 @@ def test_a_malformed_floor_file_is_a_clear_error(tmp_path, text, needle):
     with pytest.raises(FloorError) as err:
         load(path)
     assert str(err.value).startswith(str(path)) and needle in str(err.value)
+
+
+def test_a_yaml_alias_bomb_is_refused_quickly_with_a_short_message(tmp_path):
+    """Billion laughs: nine levels of aliases, each nine times the one below (9**9 leaves if
+    expanded), as the value of a known key. The error quotes a bounded repr."""
+    import time
+
+    levels = ["&a0 [x, x, x, x, x, x, x, x, x]"]
+    levels += [f"&a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 9)]
+    path = tmp_path / "floors.yaml"
+    path.write_text("protection: [" + ", ".join(levels) + "]\n")
+    t0 = time.perf_counter()
+    with pytest.raises(FloorError) as err:
+        load(path)
+    assert time.perf_counter() - t0 < 5 and len(str(err.value)) < 300
+    assert f"{path}: protection: expected one of off, redact, rephrase, both, got [['x', 'x', 'x', 'x', ...], " \
+        in str(err.value)
 
 
 def test_floor_file_limits_and_bad_node_keys(tmp_path):
