@@ -205,11 +205,12 @@ def load(path: str | Path | None = None, node_config: Mapping | None = None) -> 
         if p.exists():
             if not p.is_file():
                 raise FloorError(f"{p}: not a regular file")
-            if p.stat().st_size > MAX_FLOOR_BYTES:
-                raise FloorError(f"{p}: {p.stat().st_size} bytes, more than a floor file may hold "
-                                 f"({MAX_FLOOR_BYTES})")
+            with p.open("rb") as f:
+                raw = f.read(MAX_FLOOR_BYTES + 1)  # bounded, whatever the size said a moment ago
+            if len(raw) > MAX_FLOOR_BYTES:
+                raise FloorError(f"{p}: more than the {MAX_FLOOR_BYTES} bytes a floor file may hold")
             try:
-                data = yaml.safe_load(p.read_bytes().decode("utf-8"))
+                data = yaml.safe_load(raw.decode("utf-8"))
             except (UnicodeDecodeError, yaml.YAMLError) as e:
                 raise FloorError(f"{p}: not valid YAML ({str(e).splitlines()[0]})") from None
             got = parse(data, str(p))
