@@ -177,8 +177,10 @@ def test_the_prekey_is_per_run_signed_kept_in_state_only_and_forgotten(tmp_path)
                          prekey_message("device-1", a.public_bytes(), 8))
     assert not any(p.suffix not in (".key", ".json") for p in device_dir(tmp_path, 1).iterdir())
     # the next run of the series keeps the state but gets a new prekey
+    ctx.state[c2c.SEALED_RECORD] = ConfigRecord({"tags": ["device-0:ab:cd"]})
     later = Context(run_id=8, node_id=1, node_config=home, state=ctx.state, run_config={})
     b = c2c.prekey(later)
+    assert c2c.SEALED_RECORD not in later.state.config_records
     assert b.public_bytes() != a.public_bytes() and int(later.state[c2c.PREKEY_RECORD]["run_id"]) == 8
     assert c2c.forget_prekey(later) is True and c2c.PREKEY_RECORD not in later.state.config_records
     assert c2c.forget_prekey(later) is False

@@ -59,7 +59,8 @@ def prekey(context: Context) -> KeyPair:
 
     Made on first use in a run and again whenever ``context.run_id`` is not the run it was
     made for (Flower carries a node's state over to the next run of a series): one prekey
-    per run. :func:`forget_prekey` drops it."""
+    per run (a new one also clears the last run's sealed-session tags, which name the peers'
+    old prekeys). :func:`forget_prekey` drops it."""
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
@@ -70,6 +71,8 @@ def prekey(context: Context) -> KeyPair:
     raw = private.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
                                 serialization.NoEncryption())
     context.state[PREKEY_RECORD] = ConfigRecord({"private": raw, "run_id": int(context.run_id)})
+    if SEALED_RECORD in context.state.config_records:  # they name the last run's prekeys
+        del context.state[SEALED_RECORD]
     return KeyPair(private)
 
 
