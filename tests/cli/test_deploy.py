@@ -133,12 +133,16 @@ def _free_base(n: int) -> int:
 
 def _ours(marks: list[str]) -> list[int]:
     """Pids of Flower processes whose command line names one of ``marks`` (our ports / folder)."""
-    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
     pids = []
-    for line in out.splitlines():
-        pid, _, args = line.strip().partition(" ")
-        if any(f in args for f in FLOWER) and any(m in args for m in marks) and int(pid) != os.getpid():
-            pids.append(int(pid))
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            args = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if any(f in args for f in FLOWER) and any(m in args for m in marks):
+            pids.append(int(proc.name))
     return pids
 
 
