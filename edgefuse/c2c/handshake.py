@@ -30,8 +30,8 @@ re-seal an altered one (it cannot sign for the sharer). Forward secrecy: once th
 dropped ``E`` and the receiver dropped its prekey (at the end of the run's C2C phase), a
 recording cannot be opened even with both devices' identity keys, which only ever sign.
 What it does not give: the relay still picks who talks to whom and may drop or delay
-payloads, or replay an authentic payload to the same receiver within the run (it is the
-sharer's genuine cache for that query id, the payload header says which).
+payloads. (A replay of a recorded exchange is refused by the receiving device, which opens
+each signed ephemeral key once: :mod:`edgefuse.app.handlers.c2c`.)
 """
 
 from __future__ import annotations

@@ -343,6 +343,23 @@ def test_the_refine_path_refuses_a_swapped_key(field, relay_cfg, devices, tmp_pa
     assert calls == []
 
 
+def test_a_replayed_exchange_is_refused_by_the_receiver(relay_cfg, devices, tmp_path, monkeypatch):
+    """The relay keeps an honest answer message (the sharer's frames and signed handshake)
+    and hands it to the receiver again later in the run: refused before anything is opened."""
+    grid = AttackGrid(devices)
+    phase = phase_for(relay_cfg, devices, grid, tmp_path, monkeypatch, ["t2t"])
+    phase.pairs = [("tiny-qwen2", "tiny-llama")]
+    (row,) = phase.evaluate()
+    assert row.get("error") is None and row["n"] == 2
+    (recorded,) = answers_to(grid, LLAMA)
+    calls = count_opens(monkeypatch)
+    (rep,) = grid.send_and_receive([recorded])
+    eph = fingerprint(bytes(recorded.content["c2c"]["ephemeral_key.0"]))
+    assert rep.has_error() and "ReplayedExchangeError" in rep.error.reason
+    assert f"'device-2': the exchange under ephemeral key {eph} was already opened here" in rep.error.reason
+    assert calls == []
+
+
 # ----------------------------------------------------------------------- forward secrecy
 
 

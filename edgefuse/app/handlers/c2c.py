@@ -17,8 +17,9 @@ SuperNode's memory; never written to disk), signed by the identity for this run 
 to the server in ``query.info``. It is rotated per run (a run id other than the one it was
 made for makes a new one) and its private part dropped by ``query.forget``, which the server
 sends when its C2C phase ends (at the latest it goes with the process). A sharer seals each
-exchange under a fresh ephemeral key whose private part it drops at once. A key that is not
-the pinned one, or a signature that does not verify, is refused with
+exchange under a fresh ephemeral key whose private part it drops at once; a receiver opens
+each exchange once (:class:`ReplayedExchangeError`). A key that is not the pinned one, or a
+signature that does not verify, is refused with
 :class:`~edgefuse.transport.identity.UntrustedPeerError` before anything is opened or sealed.
 Installed fusers live in ``context.state`` too, so they survive between messages.
 """
@@ -34,7 +35,7 @@ from edgefuse.app.device import DeviceHome
 from edgefuse.lora import get_adapter_state
 from edgefuse.models import load_tokenizer
 from edgefuse.transport.crypto import HandshakeError, KeyPair
-from edgefuse.transport.identity import UntrustedPeerError, device_name
+from edgefuse.transport.identity import UntrustedPeerError, device_name, fingerprint
 from edgefuse.c2c.handshake import Handshake, PeerPrekey, open_from, seal_for, sign_prekey
 from edgefuse.c2c.fuser import C2CFuser, FuserConfig, KVSpec, kv_spec_from_config
 from edgefuse.c2c.peer import (open_payloads, pack_frames, refine_prefill, share_answers, share_prefill,
@@ -59,8 +60,8 @@ def prekey(context: Context) -> KeyPair:
 
     Made on first use in a run and again whenever ``context.run_id`` is not the run it was
     made for (Flower carries a node's state over to the next run of a series): one prekey
-    per run (a new one also clears the last run's sealed-session tags, which name the peers'
-    old prekeys). :func:`forget_prekey` drops it."""
+    per run (a new one also clears the last run's sealed and opened exchange tags, which
+    name old keys). :func:`forget_prekey` drops it."""
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
@@ -71,8 +72,9 @@ def prekey(context: Context) -> KeyPair:
     raw = private.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
                                 serialization.NoEncryption())
     context.state[PREKEY_RECORD] = ConfigRecord({"private": raw, "run_id": int(context.run_id)})
-    if SEALED_RECORD in context.state.config_records:  # they name the last run's prekeys
-        del context.state[SEALED_RECORD]
+    for record in (SEALED_RECORD, OPENED_RECORD):  # they name the last run's keys
+        if record in context.state.config_records:
+            del context.state[record]
     return KeyPair(private)
 
 
@@ -128,6 +130,14 @@ SEALED_RECORD = "c2c_sealed_sessions"
 class SessionReuseError(ValueError):
     """The server asked this node to seal again for a peer under a session id it already
     sealed under for that peer's prekey: refused (one exchange per session id)."""
+
+
+OPENED_RECORD = "c2c_opened_exchanges"
+
+
+class ReplayedExchangeError(UntrustedPeerError):
+    """The relay handed this node an exchange (a sharer's signed ephemeral key) it already
+    opened: a replay of recorded payloads, refused."""
 
 
 def _bytes(conf, key: str) -> bytes:
@@ -186,15 +196,27 @@ def _opened(context: Context, conf, sfx: str = ""):
     ``peer_identity_key``, ``ephemeral_key``, ``handshake_signature``, ``session_id``, each
     with the suffix ``sfx``) against this device's own trust store and its run prekey.
 
+    Each exchange (sharer, ephemeral key) opens once per node: a replay is refused.
+
     Raises:
-        UntrustedPeerError: the sharer's identity or signature is not its pinned one's.
+        UntrustedPeerError: the sharer's identity or signature is not its pinned one's;
+            :class:`ReplayedExchangeError`: an exchange this node already opened.
         HandshakeError: no prekey held for this run, or a malformed session id or key.
     """
     home = DeviceHome.of(context.node_config)
     handshake = Handshake(_bytes(conf, f"ephemeral_key{sfx}"), _bytes(conf, f"handshake_signature{sfx}"))
-    return open_from(home.identity(), own_name(context), _run_prekey(context), home.trust(),
-                     _str(conf, f"peer_name{sfx}"), _bytes(conf, f"peer_identity_key{sfx}"),
-                     handshake, _session_id(conf, f"session_id{sfx}"))
+    sharer = _str(conf, f"peer_name{sfx}")
+    session = open_from(home.identity(), own_name(context), _run_prekey(context), home.trust(),
+                        sharer, _bytes(conf, f"peer_identity_key{sfx}"), handshake,
+                        _session_id(conf, f"session_id{sfx}"))
+    tag = f"{sharer}:{handshake.ephemeral.hex()}"
+    opened = list(context.state[OPENED_RECORD]["tags"]) if OPENED_RECORD in context.state.config_records else []
+    if tag in opened:
+        raise ReplayedExchangeError(f"{sharer!r}: the exchange under ephemeral key "
+                                    f"{fingerprint(handshake.ephemeral)} was already opened here: "
+                                    "refusing a replay")
+    context.state[OPENED_RECORD] = ConfigRecord({"tags": opened + [tag]})
+    return session
 
 
 def _handshake_fields(handshake: Handshake) -> dict:
