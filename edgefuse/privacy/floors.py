@@ -19,10 +19,16 @@ optional; unknown keys are refused)::
       flag_cache: true      #   may it keep anything between requests?
       l_cache: null         #   the largest window in tokens (null = no limit)
     c2c_share: true         # does it share KV caches / answers with peers?
+    redact:                 # what a redacting protection must do (floor redact / both)
+      entities: [PERSON, EMAIL_ADDRESS, ...]  # must all be covered (default: the shipped list)
+      score_threshold: 0.4  #   the highest Presidio threshold accepted
+      known_identities: true  # the device's own identities redacted too
 
 Defaults (no file, no keys): :data:`DEFAULT` — ``protection: redact`` (a device that never
-configured anything still refuses plain text to the cloud), ``debug_text: false``, cloud,
-cache and C2C sharing allowed (the main job's defaults pass).
+configured anything still refuses plain text to the cloud), redaction at least as the
+redactor's defaults (:data:`edgefuse.privacy.redact.DEFAULT_ENTITIES`, threshold 0.4, the
+device's own identities on: what ``conf/privacy/default.yaml`` ships), ``debug_text: false``,
+cloud, cache and C2C sharing allowed (the main job's defaults pass).
 
 Protection order (a partial order): ``off < redact < both`` and ``off < rephrase < both``;
 ``redact`` and ``rephrase`` are not comparable, so a floor of ``redact`` accepts ``redact``
@@ -31,12 +37,14 @@ or ``both`` (:func:`protection_at_least`).
 
 from __future__ import annotations
 
+import re
 import reprlib
 from dataclasses import dataclass, field, fields as dc_fields, replace
 from pathlib import Path
 from typing import Any, Collection, Mapping
 
 from edgefuse.privacy.protect import PROTECTIONS, check_mode, client_protection
+from edgefuse.privacy.redact import DEFAULT_ENTITIES, DEFAULT_SCORE_THRESHOLD
 
 FLOOR_FILE = "floors.yaml"
 MAX_FLOOR_BYTES = 64 * 1024
@@ -44,10 +52,16 @@ FIELDS = ("protection", "debug_text", "cloud_cache", "cloud", "c2c_share")
 """The floor's fields, as :func:`check` names them."""
 NODE_KEYS = {"floor-protection": "protection", "floor-debug-text": "debug_text",
              "floor-cloud": "cloud", "floor-flag-cache": "flag_cache",
-             "floor-l-cache": "l_cache", "floor-c2c-share": "c2c_share"}
-"""node_config key -> floor attribute (``floor-l-cache`` takes an int or ``none``)."""
-_FILE_KEYS = {"protection", "debug_text", "cloud", "cloud_cache", "c2c_share"}
-_CACHE_KEYS = {"flag_cache", "l_cache"}
+             "floor-l-cache": "l_cache", "floor-c2c-share": "c2c_share",
+             "floor-redact-entities": "redact_entities",
+             "floor-redact-threshold": "redact_max_threshold",
+             "floor-known-identities": "redact_known_identities"}
+"""node_config key -> floor attribute (``floor-l-cache`` takes an int or ``none``,
+``floor-redact-entities`` a comma-separated list)."""
+_SECTIONS = {"cloud_cache": {"flag_cache": "flag_cache", "l_cache": "l_cache"},
+             "redact": {"entities": "redact_entities", "score_threshold": "redact_max_threshold",
+                        "known_identities": "redact_known_identities"}}
+_TOP = {"protection", "debug_text", "cloud", "c2c_share"}
 
 
 _REPR = reprlib.Repr()
@@ -90,6 +104,13 @@ class PrivacyFloor:
         l_cache: the largest ``privacy.cloud_auth.l_cache`` (tokens), None = no limit.
         cloud: whether this device talks to a cloud at all.
         c2c_share: whether it shares KV caches / answers with peers.
+        redact_entities: the entity types a redacting protection must cover (the server's
+            ``privacy.redact.entities`` may add to them, not leave one out).
+        redact_max_threshold: the highest ``privacy.redact.score_threshold`` accepted (a
+            higher threshold redacts less).
+        redact_known_identities: whether the device's own identities must be redacted too
+            (``privacy.redact.known_identities``). The three apply when the floor's protection
+            includes redaction (``redact`` / ``both``).
         sources: attribute -> where its value came from (a file path, a node_config key, or
             ``default (no <path>)``), quoted by :class:`FloorViolation` messages.
     """
@@ -100,6 +121,9 @@ class PrivacyFloor:
     l_cache: int | None = None
     cloud: bool = True
     c2c_share: bool = True
+    redact_entities: tuple[str, ...] = DEFAULT_ENTITIES
+    redact_max_threshold: float = DEFAULT_SCORE_THRESHOLD
+    redact_known_identities: bool = True
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)
 
     def source(self, attr: str) -> str:
@@ -110,7 +134,10 @@ class PrivacyFloor:
         """The floor in the file's format (no sources)."""
         return {"protection": self.protection, "debug_text": self.debug_text, "cloud": self.cloud,
                 "cloud_cache": {"flag_cache": self.flag_cache, "l_cache": self.l_cache},
-                "c2c_share": self.c2c_share}
+                "c2c_share": self.c2c_share,
+                "redact": {"entities": list(self.redact_entities),
+                           "score_threshold": self.redact_max_threshold,
+                           "known_identities": self.redact_known_identities}}
 
 
 DEFAULT = PrivacyFloor()
@@ -143,16 +170,39 @@ def _l_cache(value: Any, where: str) -> int | None:
     return value
 
 
+_ENTITY = re.compile(r"^[A-Z][A-Z0-9_]{0,63}$")
+
+
+def _entities(value: Any, where: str) -> tuple[str, ...]:
+    if not isinstance(value, (list, tuple)) or len(value) > 256 or \
+            not all(isinstance(v, str) and _ENTITY.match(v) for v in value):
+        raise FloorError(f"{where}: expected a list of entity type names (PERSON, EMAIL_ADDRESS ...), "
+                         f"got {_short(value)}")
+    return tuple(dict.fromkeys(value))
+
+
+def _threshold(value: Any, where: str) -> float:
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise FloorError(f"{where}: expected a number in [0, 1], got {_short(value)}")
+    return float(value)
+
+
 _PARSE = {"protection": _protection, "debug_text": _bool, "flag_cache": _bool, "l_cache": _l_cache,
-          "cloud": _bool, "c2c_share": _bool}
+          "cloud": _bool, "c2c_share": _bool, "redact_entities": _entities,
+          "redact_max_threshold": _threshold, "redact_known_identities": _bool}
 
 
 def parse(data: Any, where: str) -> dict:
     """Floor attributes from a parsed ``floors.yaml`` (a mapping, or None for an empty file).
 
     Returns:
-        ``{attribute: value}`` for the keys present (``cloud_cache`` flattened into
-        ``flag_cache`` / ``l_cache``).
+        ``{attribute: value}`` for the keys present (the ``cloud_cache`` and ``redact``
+        sections flattened into their attributes: ``flag_cache``, ``redact_entities`` ...).
 
     Raises:
         FloorError: not a mapping, an unknown key, or a value of the wrong type; the message
@@ -162,20 +212,22 @@ def parse(data: Any, where: str) -> dict:
         return {}
     if not isinstance(data, Mapping):
         raise FloorError(f"{where}: expected a mapping of floor keys, got {type(data).__name__}")
-    unknown = sorted(_short(k) for k in data if k not in _FILE_KEYS)
+    known = _TOP | set(_SECTIONS)
+    unknown = sorted(_short(k) for k in data if k not in known)
     if unknown:
-        raise FloorError(f"{where}: unknown keys {', '.join(unknown)}; known: {', '.join(sorted(_FILE_KEYS))}")
+        raise FloorError(f"{where}: unknown keys {', '.join(unknown)}; known: {', '.join(sorted(known))}")
     out = {}
     for key, value in data.items():
-        if key == "cloud_cache":
+        if key in _SECTIONS:
+            names = _SECTIONS[key]
             if not isinstance(value, Mapping):
-                raise FloorError(f"{where}: cloud_cache: expected a mapping with flag_cache / l_cache, "
+                raise FloorError(f"{where}: {key}: expected a mapping with {' / '.join(names)}, "
                                  f"got {_short(value)}")
-            bad = sorted(_short(k) for k in value if k not in _CACHE_KEYS)
+            bad = sorted(_short(k) for k in value if k not in names)
             if bad:
-                raise FloorError(f"{where}: cloud_cache: unknown keys {', '.join(bad)}; known: flag_cache, l_cache")
+                raise FloorError(f"{where}: {key}: unknown keys {', '.join(bad)}; known: {', '.join(names)}")
             for k, v in value.items():
-                out[k] = _PARSE[k](v, f"{where}: cloud_cache.{k}")
+                out[names[k]] = _PARSE[names[k]](v, f"{where}: {key}.{k}")
         else:
             out[key] = _PARSE[key](value, f"{where}: {key}")
     return out
@@ -218,8 +270,10 @@ def load(path: str | Path | None = None, node_config: Mapping | None = None) -> 
             sources.update({a: str(p) for a in got})
     for key, attr in NODE_KEYS.items():
         if node_config is not None and key in node_config:
-            where = f"node_config {key}"
-            values[attr] = _PARSE[attr](node_config[key], where)
+            where, value = f"node_config {key}", node_config[key]
+            if attr == "redact_entities" and isinstance(value, str):  # "PERSON,EMAIL_ADDRESS"
+                value = [v.strip() for v in value.split(",") if v.strip()]
+            values[attr] = _PARSE[attr](value, where)
             sources[attr] = where
     return replace(DEFAULT, **values, sources=sources)
 
@@ -251,6 +305,33 @@ def _server_protection(cfg, entry, entry_key: str) -> tuple[str, str]:
     return mode, f"{key}={mode!r}"
 
 
+def _redact_violations(cfg, floor: PrivacyFloor) -> list[str]:
+    """How the server's ``privacy.redact`` settings redact less than ``floor`` requires, read
+    as the device's redactor reads them (:meth:`edgefuse.privacy.redact.Redactor.from_config`:
+    empty entities = the defaults; the decoding handler: known_identities default false)."""
+    red = _cfg_get(cfg, "privacy", "redact", default={})
+    out = []
+    ents = red.get("entities", None) if hasattr(red, "get") else None
+    ents = list(ents) if ents else list(DEFAULT_ENTITIES)
+    missing = [e for e in floor.redact_entities if e not in ents]
+    if missing:
+        out.append(f"protection: the server's privacy.redact.entities leaves out {', '.join(missing)}, which "
+                   f"this device's floor redact.entities requires (from {floor.source('redact_entities')})")
+    thr = red.get("score_threshold", DEFAULT_SCORE_THRESHOLD) if hasattr(red, "get") else DEFAULT_SCORE_THRESHOLD
+    if isinstance(thr, bool) or not isinstance(thr, (int, float)):
+        out.append(f"protection: the server's privacy.redact.score_threshold={_short(thr)} is not a number")
+    elif thr > floor.redact_max_threshold:
+        out.append(f"protection: the server's privacy.redact.score_threshold={thr} is looser than this "
+                   f"device's floor redact.score_threshold={floor.redact_max_threshold} "
+                   f"(from {floor.source('redact_max_threshold')})")
+    known = red.get("known_identities", False) if hasattr(red, "get") else False
+    if floor.redact_known_identities and not bool(known):
+        out.append(f"protection: the server's privacy.redact.known_identities={str(bool(known)).lower()} is "
+                   f"looser than this device's floor redact.known_identities=true "
+                   f"(from {floor.source('redact_known_identities')})")
+    return out
+
+
 def violations(cfg, entry, floor: PrivacyFloor, fields: Collection[str] = FIELDS,
                requests: Collection[str] = (), entry_key: str = "federation.clients[this device]") -> list[str]:
     """The ways ``cfg`` is looser than ``floor`` in ``fields`` (one line each; empty = none).
@@ -279,6 +360,8 @@ def violations(cfg, entry, floor: PrivacyFloor, fields: Collection[str] = FIELDS
         mode, said = _server_protection(cfg, entry, entry_key)
         if not protection_at_least(mode, floor.protection):
             refuse("protection", said, "protection")
+        elif floor.protection in ("redact", "both"):  # the redaction it relies on, as configured
+            out.extend(_redact_violations(cfg, floor))
     if "debug_text" in fields:
         value = _cfg_get(cfg, "privacy", "debug_text", default=False)
         if bool(value) and not floor.debug_text:  # any truthy value is raw text in results

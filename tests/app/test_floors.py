@@ -152,6 +152,10 @@ LOOSER = [  # (server overrides, floors.yaml or None = no file, what the refusal
     (["privacy.cloud_auth.l_cache=512"], "cloud_cache: {l_cache: 64}\n",
      ["cloud_cache: the server's privacy.cloud_auth.l_cache=512 is looser than this device's floor "
       "l_cache=64 (from {floors})"]),
+    (["privacy.redact.entities=[URL]", "privacy.redact.known_identities=false"], None,  # "redact" that redacts nothing
+     ["protection: the server's privacy.redact.entities leaves out PERSON, EMAIL_ADDRESS",
+      "protection: the server's privacy.redact.known_identities=false is looser than this device's floor "
+      "redact.known_identities=true (from default (no {floors}))"]),
     (["cloud=disabled"], "cloud: false\n",  # the config says no cloud, the message still asks
      ["cloud: the server's message contacts the cloud, looser than this device's floor cloud=false "
       "(from {floors})"]),

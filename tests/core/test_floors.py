@@ -7,6 +7,7 @@ a tighter one passes."""
 import pytest
 
 from edgefuse.config import client_entry, compose
+from edgefuse.privacy.redact import DEFAULT_ENTITIES
 from edgefuse.privacy.floors import (DEFAULT, FIELDS, FloorError, FloorViolation, PrivacyFloor, check,
                                      load, protection_at_least, violations)
 
@@ -40,6 +41,11 @@ def test_default_floor_and_the_default_configs_pass(tmp_path):
     assert floor == DEFAULT
     assert (floor.protection, floor.debug_text, floor.flag_cache, floor.l_cache, floor.cloud,
             floor.c2c_share) == ("redact", False, True, None, True, True)
+    # the redaction floor is what the shipped privacy config does
+    shipped = compose("default").privacy.redact
+    assert floor.redact_entities == tuple(shipped.entities) == DEFAULT_ENTITIES
+    assert (floor.redact_max_threshold, floor.redact_known_identities) == \
+        (shipped.score_threshold, shipped.known_identities) == (0.4, True)
     assert floor.source("protection") == f"default (no {tmp_path / 'floors.yaml'})"
     # the main job's default experiment and the tests' tiny experiment (protection both)
     for exp in ("default", "tiny"):
@@ -73,6 +79,16 @@ def test_default_floor_and_the_default_configs_pass(tmp_path):
     ([], "cloud: false", "cloud: the server's cloud.enabled=true is looser than this device's floor cloud=false"),
     ([], "c2c_share: false",
      "c2c_share: the server's c2c.enabled=true is looser than this device's floor c2c_share=false"),
+    # redaction switched off while the mode still says redact
+    (["privacy.redact.entities=[PERSON]"], "redact: {entities: [PERSON, EMAIL_ADDRESS, PHONE_NUMBER]}",
+     "protection: the server's privacy.redact.entities leaves out EMAIL_ADDRESS, PHONE_NUMBER, which this "
+     "device's floor redact.entities requires"),
+    (["privacy.redact.score_threshold=0.99"], "redact: {score_threshold: 0.5}",
+     "protection: the server's privacy.redact.score_threshold=0.99 is looser than this device's floor "
+     "redact.score_threshold=0.5"),
+    (["privacy.redact.known_identities=false"], "protection: both\nredact: {known_identities: true}",
+     "protection: the server's privacy.redact.known_identities=false is looser than this device's floor "
+     "redact.known_identities=true"),
 ])
 def test_a_looser_config_is_refused_naming_field_key_values_and_file(tmp_path, over, floor_yaml, needle):
     path = tmp_path / "floors.yaml"
@@ -97,6 +113,13 @@ def test_a_looser_config_is_refused_naming_field_key_values_and_file(tmp_path, o
     (["c2c=disabled"], "c2c_share: false"),
     (["privacy.debug_text=false"], "debug_text: true"),           # the floor allows, the server does not
     (["privacy=disabled"], "protection: off"),                      # an explicit opt-out on the device
+    (["privacy.redact.entities=[PERSON,URL]"], "redact: {entities: [PERSON]}"),  # more than required
+    (["privacy.redact.entities=null"], "redact: {entities: [PERSON]}"),  # null = the shipped list
+    (["privacy.redact.score_threshold=0.2"], "protection: redact"),
+    (["privacy.redact.known_identities=false"], "redact: {known_identities: false}"),
+    # redaction settings do not matter when the floor asks for none
+    (["privacy.protection=rephrase", "privacy.redact.entities=[URL]"], "protection: rephrase"),
+    (["privacy.protection=both", "privacy.redact.known_identities=false"], "protection: off"),
 ])
 def test_a_tighter_or_equal_config_passes(tmp_path, over, floor_yaml):
     path = tmp_path / "floors.yaml"
@@ -146,7 +169,9 @@ def test_file_then_node_config_keys(tmp_path):
                     "cloud_cache:\n  flag_cache: false\n  l_cache: 128\nc2c_share: false\n")
     floor = load(path)
     assert floor.to_dict() == {"protection": "both", "debug_text": True, "cloud": False,
-                               "cloud_cache": {"flag_cache": False, "l_cache": 128}, "c2c_share": False}
+                               "cloud_cache": {"flag_cache": False, "l_cache": 128}, "c2c_share": False,
+                               "redact": {"entities": list(DEFAULT_ENTITIES), "score_threshold": 0.4,
+                                          "known_identities": True}}
     assert {floor.source(a) for a in ("protection", "debug_text", "l_cache", "c2c_share")} == {str(path)}
     # node_config keys override the field they name, and say so
     over = load(path, {"floor-protection": "redact", "floor-l-cache": "none", "floor-cloud": True,
@@ -155,6 +180,10 @@ def test_file_then_node_config_keys(tmp_path):
         ("redact", None, True, False, False)
     assert over.source("protection") == "node_config floor-protection"
     assert over.source("c2c_share") == str(path)
+    keyed = load(None, {"floor-redact-entities": "PERSON, EMAIL_ADDRESS", "floor-redact-threshold": "0.3",
+                        "floor-known-identities": False})
+    assert (keyed.redact_entities, keyed.redact_max_threshold, keyed.redact_known_identities) == \
+        (("PERSON", "EMAIL_ADDRESS"), 0.3, False)
     # unquoted YAML `off` is false: read as protection off
     path.write_text("protection: off\n")
     assert load(path).protection == "off"
@@ -166,13 +195,17 @@ def test_file_then_node_config_keys(tmp_path):
     ("protection: [redact\n", "not valid YAML"),
     ("- redact\n", "expected a mapping of floor keys, got list"),
     ("protection: maximal\n", "protection: expected one of off, redact, rephrase, both, got 'maximal'"),
-    ("protections: redact\n", "unknown keys 'protections'; known: c2c_share, cloud, cloud_cache, debug_text, protection"),
+    ("protections: redact\n", "unknown keys 'protections'; known: c2c_share, cloud, cloud_cache, debug_text, protection, redact"),
     ("debug_text: yes please\n", "debug_text: expected true or false, got 'yes please'"),
     ("cloud: 1\n", "cloud: expected true or false, got 1"),
     ("cloud_cache: 64\n", "cloud_cache: expected a mapping"),
     ("cloud_cache: {l_cache: -1}\n", "cloud_cache.l_cache: expected null or an integer"),
     ("cloud_cache: {l_cache: true}\n", "cloud_cache.l_cache: expected null or an integer"),
     ("cloud_cache: {keep: all}\n", "cloud_cache: unknown keys 'keep'; known: flag_cache, l_cache"),
+    ("redact: {entities: [person]}\n", "redact.entities: expected a list of entity type names"),
+    ("redact: {entities: PERSON}\n", "redact.entities: expected a list of entity type names"),
+    ("redact: {score_threshold: 2}\n", "redact.score_threshold: expected a number in [0, 1], got 2"),
+    ("redact: {spacy_model: big}\n", "redact: unknown keys 'spacy_model'"),
 ])
 def test_a_malformed_floor_file_is_a_clear_error(tmp_path, text, needle):
     path = tmp_path / "floors.yaml"
