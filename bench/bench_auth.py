@@ -151,7 +151,15 @@ def bench_decoding(model, tok, queries, presets, repeats, dcfg, head, spec, secu
     return rows
 
 
-def decoding_summary(rows: list[dict], presets: list[str]) -> dict:
+def decoding_summary(rows: list[dict], presets: list[str], handshake: dict | None = None) -> dict:
+    """Per preset: tokens/s on and off (paired), their ratio, and ``implied_overhead_pct``:
+    what the authenticated handshake's extra time to a first answer (median, loopback) is of
+    one session's decoding time (its tokens / tokens/s, auth off; the frames are the same
+    bytes through the same code, so the handshake is the only difference)."""
+    extra_ms = None
+    if handshake is not None:
+        extra_ms = (handshake["authenticated"]["first_answer_ms"]["median"]
+                    - handshake["anonymous"]["first_answer_ms"]["median"])
     out = {}
     for preset in presets:
         on = {r["pair"]: r for r in rows if r["preset"] == preset and r["auth"] == "on"}
@@ -172,6 +180,12 @@ def decoding_summary(rows: list[dict], presets: list[str]) -> dict:
                                       / statistics.fmean(off[p]["tokens_per_s"] for p in pairs)) * 100,
             "same_tokens": same, "same_bytes_per_token": bytes_same,
         }
+        if extra_ms is not None:
+            session_ms = statistics.fmean(off[p]["tokens"] / off[p]["tokens_per_s"] * 1e3
+                                          for p in pairs)
+            out[preset]["handshake_extra_ms"] = extra_ms
+            out[preset]["session_decode_ms_mean"] = session_ms
+            out[preset]["implied_overhead_pct"] = extra_ms / session_ms * 100
     return out
 
 
@@ -187,8 +201,8 @@ def plot(result: dict, path: Path) -> Path:
               showfliers=False)
     a.set_xticks([1, 2], ["SIGMA-I", "anonymous"])
     a.set_ylabel("connect (ms, loopback)")
-    a.set_title(f"handshake: {hs['authenticated']['handshake_bytes_up'][0] + hs['authenticated']['handshake_bytes_down'][0]}"
-                f" vs {hs['anonymous']['handshake_bytes_up'][0] + hs['anonymous']['handshake_bytes_down'][0]} B")
+    nbytes = {k: hs[k]["handshake_bytes_up"][0] + hs[k]["handshake_bytes_down"][0] for k in hs}
+    a.set_title(f"handshake: {nbytes['authenticated']} vs {nbytes['anonymous']} B")
     presets = list(result["decoding"])
     x = range(len(presets))
     on = [result["decoding"][p]["tokens_per_s_on"]["median"] for p in presets]
@@ -250,7 +264,7 @@ def main(argv=None) -> int:
         busy.unlink(missing_ok=True)
         secure.stop()
         anon.stop()
-    dec = decoding_summary(rows, args.presets)
+    dec = decoding_summary(rows, args.presets, hs)
     worst = max(d["overhead_pct_median"] for d in dec.values())
     result = {
         "edge_model": args.edge_model, "target_model": args.target_model,
@@ -258,7 +272,11 @@ def main(argv=None) -> int:
         "prompts": [q.qid for q in queries], "repeats": args.repeats,
         "handshake": hs, "decoding": dec, "decoding_rows": rows,
         "target": {"decoding_overhead_pct_max": TARGET_OVERHEAD_PCT,
-                   "worst_median_overhead_pct": worst, "met": worst <= TARGET_OVERHEAD_PCT},
+                   "worst_median_overhead_pct": worst, "met": worst <= TARGET_OVERHEAD_PCT,
+                   "worst_implied_overhead_pct": max(d["implied_overhead_pct"] for d in dec.values()),
+                   "note": "the measured pairs carry the noise of a shared 2-core machine; the "
+                           "implied overhead is the handshake's measured extra time over the "
+                           "session's decoding time"},
         "wall_seconds": time.perf_counter() - t_start,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "load_avg": os.getloadavg(), "torch": torch.__version__},
@@ -281,7 +299,8 @@ def main(argv=None) -> int:
         print(f"{p}: tokens/s on {d['tokens_per_s_on']['median']:.2f} off "
               f"{d['tokens_per_s_off']['median']:.2f} (median of {d['pairs']} pairs), overhead "
               f"{d['overhead_pct_median']:+.2f} % (of means {d['overhead_pct_of_means']:+.2f} %), "
-              f"same tokens {d['same_tokens']}")
+              f"same tokens {d['same_tokens']}; the handshake's extra "
+              f"{d['handshake_extra_ms']:.2f} ms is {d['implied_overhead_pct']:.4f} % of a session")
     print(f"wrote {out} and {png}")
     return 0
 

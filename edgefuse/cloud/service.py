@@ -206,8 +206,8 @@ class CloudService:
             80 ms RTT, 4 devices: at 20 ms a batch of 3 and a lone session alternated,
             1,100 ms/token; at 100 ms all 4 ran together, 750 ms/token).
         max_sessions: sessions open at once; an OPEN beyond gets ERROR ``busy``.
-        handshake_timeout_s: a connection that sends no first message within this many
-            seconds is closed.
+        handshake_timeout_s: a connection not authenticated (hello, welcome and a verified
+            IDENTIFY; a health probe answered) within this many seconds of accept is closed.
         max_connections: connections open at once; one more is closed on accept.
         idle_timeout_s: seconds without a valid message (and no request waiting for the
             worker) after which a connection and its session are closed.
@@ -363,8 +363,8 @@ class CloudService:
         waiting for the worker), ``uptime_s`` (seconds) and ``authenticated``. With
         ``authenticated`` (a probe carrying the health token) also ``fingerprint``,
         ``pid``, the limits (``max_batch``, ``max_wait_ms``, ``max_sessions``,
-        ``max_connections``, ``max_handshakes``, ``authentication``, ``idle_timeout_s``, ``handshake_timeout_s``,
-        ``max_frame_bytes``, ``max_pending``, ``max_queue``, the target's ``max_draft`` and
+        ``max_connections``, ``max_handshakes``, ``authentication`` (``sigma-i`` or
+        ``anonymous``), ``idle_timeout_s``, ``handshake_timeout_s``, ``max_frame_bytes``, ``max_pending``, ``max_queue``, the target's ``max_draft`` and
         ``max_batch_tokens``) and every :meth:`stats` counter."""
         with self._lock:
             live = len(self._live)
@@ -867,7 +867,8 @@ class CloudService:
             self._reply(item, None)
             return
         log.info("session %d (connection %d, device %s) open: %d prompt tokens, prefill %.1f ms",
-                 sess.id, sess.conn.id, sess.conn.device or "anonymous", len(item.msg.prompt), (time.perf_counter() - t0) * 1e3)
+                 sess.id, sess.conn.id, sess.conn.device or "anonymous", len(item.msg.prompt),
+                 (time.perf_counter() - t0) * 1e3)
         self._reply(item, P.Opened(str(self.target.name), str(self.target.fingerprint),
                                    int(self.target.context_len)))
 
@@ -1096,8 +1097,8 @@ def default_service_keys(root: str | os.PathLike) -> tuple[Path, Path]:
     return cloud_dir(root) / IDENTITY_FILE, cloud_dir(root) / AUTHORIZED_FILE
 
 
-LIMITS = {"max_handshakes": int, "max_connections": int, "idle_timeout_s": float, "handshake_timeout_s": float,
-          "max_frame_bytes": int, "max_pending": int, "max_queue": int, "max_draft": int,
+LIMITS = {"max_handshakes": int, "max_connections": int, "idle_timeout_s": float,
+          "handshake_timeout_s": float, "max_frame_bytes": int, "max_pending": int, "max_queue": int, "max_draft": int,
           "max_batch_tokens": int}  # cloud.service.* keys passed through start_service_process
 
 

@@ -343,3 +343,95 @@ def test_trust_on_first_use_pins_the_presented_key_only_when_asked(svc, tiny):
     with pytest.raises(UntrustedPeerError, match="is pinned"):
         CloudLink.connect("127.0.0.1", svc.port, identity=ident, trust=other,
                           trust_on_first_use=True)
+
+
+def test_generate_pins_the_cloud_on_first_use_only_when_asked(svc, tmp_path, capsys):
+    """``edgefuse cloud generate --device-dir``: a home that pins no cloud key is refused in one
+    line; with ``--trust-on-first-use`` the presented key is printed and saved there."""
+    import shutil
+
+    from edgefuse.cli.main import main
+    from edgefuse.transport.identity import IDENTITY_FILE, TRUST_FILE, device_dir
+
+    from tests.cloud.conftest import keys_root
+
+    home = tmp_path / "home"
+    home.mkdir()
+    shutil.copy(device_dir(keys_root(), 0) / IDENTITY_FILE, home / IDENTITY_FILE)  # authorized
+    (home / IDENTITY_FILE).chmod(0o600)
+    args = ["cloud", "generate", "--model", "tiny-qwen2", "--mode", "cloud", "--prompt", "hi",
+            "--max-new-tokens", "2", "--protection", "off", "--port", str(svc.port),
+            "--device-dir", str(home)]
+    assert main(args) == 2  # a one-line CLI error
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pins no key for 'cloud'" in err[0]
+    assert not (home / TRUST_FILE).exists()
+    assert main(args + ["--trust-on-first-use"]) == 0
+    cloud = service_keys()["identity"]
+    assert f"pinned the cloud's key {cloud.fingerprint}" in capsys.readouterr().err
+    assert TrustStore.load(home / TRUST_FILE).get(CLOUD) == cloud.public_bytes()
+    assert main(args) == 0  # pinned now: no flag needed
+
+
+def test_decoding_phase_starts_the_service_with_the_operators_keys(tmp_path, monkeypatch):
+    """The phase passes ``<keys root>/cloud`` identity and authorized devices (never the
+    anonymous mode) down to the child's command line."""
+    import types
+
+    from edgefuse.app.phases import decoding as phase
+    from edgefuse.app.strategy import NodeInfo
+    from edgefuse.cloud import service
+    from edgefuse.config import compose
+    from edgefuse.transport.identity import AUTHORIZED_FILE, IDENTITY_FILE, cloud_dir
+
+    from tests.cloud.conftest import keys_root
+
+    class Started(Exception):
+        pass
+    seen = {}
+    real_start = service.start_service_process
+
+    def start(model, host, port, **kw):
+        seen.update(kw)
+        raise Started
+    monkeypatch.setattr(service, "start_service_process", start)
+    monkeypatch.setattr(phase, "load_queries", lambda cfg: [])
+    cfg = compose("tiny", [f"paths.cache_dir={tmp_path}", "data.mirror=hub"])
+    node = NodeInfo(node_id=7, partition_id=0, model=str(cfg.cloud.device_model), lora_rank=4)
+    ctx = types.SimpleNamespace(cfg=cfg, strategy=types.SimpleNamespace(nodes={7: node}), out=tmp_path)
+    with pytest.raises(Started):
+        phase.Decoding().run(ctx)
+    root = cloud_dir(keys_root())
+    assert seen["identity_path"] == root / IDENTITY_FILE
+    assert seen["authorized_path"] == root / AUTHORIZED_FILE
+    assert not seen.get("insecure_anonymous")
+    # and the child's command line carries them
+    calls = []
+
+    class Exits:
+        def __init__(self, cmd, **kw):
+            calls.append(cmd)
+
+        def poll(self):
+            return 1
+    monkeypatch.setattr(service.subprocess, "Popen", Exits)
+    with pytest.raises(service.ServiceStartError):
+        real_start("tiny-qwen2", identity_path=root / IDENTITY_FILE,
+                   authorized_path=root / AUTHORIZED_FILE, log_path=tmp_path / "log", timeout_s=5)
+    (cmd,) = calls
+    assert cmd[cmd.index("--identity") + 1] == str(root / IDENTITY_FILE)
+    assert cmd[cmd.index("--authorized-devices") + 1] == str(root / AUTHORIZED_FILE)
+    assert "--insecure-anonymous" not in cmd
+
+
+def test_serve_without_its_keys_is_one_line(tmp_path):
+    from tests.cli.test_cli_errors import cli
+
+    rc, line = cli("cloud", "serve", "--model", "tiny-qwen2", "--port", "0",
+                   "--identity", str(tmp_path / "none.key"))
+    assert rc != 0 and line.startswith("edgefuse: error: no identity key at") and "none.key" in line
+    empty = tmp_path / "authorized.json"
+    TrustStore().save(empty)
+    rc, line = cli("cloud", "serve", "--model", "tiny-qwen2", "--port", "0",
+                   "--authorized-devices", str(empty))
+    assert rc != 0 and line == f"edgefuse: error: {empty} authorizes no device"
