@@ -49,8 +49,8 @@ class AttackGrid(RelayGrid):
     HANDLERS = {**RelayGrid.HANDLERS,
                 "query.forget": lambda msg, ctx, _client: client_app.forget(msg, ctx).content}
 
-    def __init__(self, devices, on_message=None, on_reply=None):
-        super().__init__(devices)
+    def __init__(self, devices, on_message=None, on_reply=None, fail=()):
+        super().__init__(devices, fail)
         self.on_message, self.on_reply = on_message, on_reply
         self.opened = []  # (node id, message type) of every handler that opened a payload
 
@@ -421,6 +421,23 @@ def test_a_recording_cannot_be_opened_after_the_phase_even_with_both_identity_ke
     assert fresh.public_bytes() != devs[LLAMA].node.public_key
     with pytest.raises(TamperedFrameError):
         try_open(frame, fresh, b)
+
+
+def test_a_node_that_does_not_forget_is_logged_and_the_rows_are_kept(relay_cfg, tmp_path, monkeypatch):
+    """query.forget goes to every node after the rows are made; an error reply or a
+    malformed one is reported per node, never in place of the phase's rows."""
+    devices = {n: Device(relay_cfg, n) for n in (LLAMA, QWEN)}  # their prekeys are dropped here
+    def strip(msg, content):
+        if msg.metadata.message_type == "query.forget":
+            del content["c2c"]
+
+    grid = AttackGrid(devices, on_reply=strip, fail={(QWEN, "query.forget")})
+    phase = phase_for(relay_cfg, devices, grid, tmp_path, monkeypatch, ["alone"])
+    rows = phase.run(phase.ctx)["c2c"]
+    assert [(r["receiver"], r["mode"], r["n"]) for r in rows] == [("tiny-llama", "alone", 2), ("tiny-qwen2", "alone", 2)]
+    status = phase.forget()
+    assert status[LLAMA] == "error: the reply has no c2c.forgot"
+    assert status[QWEN].startswith("error: ") and "the device went away" in status[QWEN]
 
 
 # ----------------------------------------------------------------------- what the server keeps

@@ -160,7 +160,10 @@ class C2C(Phase):
             if rep.has_error():
                 status[nid] = f"error: {last_line(rep.error.reason)}"
             else:
-                status[nid] = "forgot" if bool(rep.content["c2c"]["forgot"]) else "none held"
+                try:
+                    status[nid] = "forgot" if bool(rep.content["c2c"]["forgot"]) else "none held"
+                except (KeyError, TypeError):  # never let a bad reply mask the phase's rows
+                    status[nid] = "error: the reply has no c2c.forgot"
         for nid, st in status.items():
             if st not in ("forgot", "none held"):
                 log(WARNING, "c2c: node %d did not drop its prekey (%s)", nid, st)
