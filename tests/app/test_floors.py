@@ -322,3 +322,21 @@ def test_a_tighter_config_is_accepted_and_decoded_through_the_cloud(tmp_path, mo
     if "privacy.protection=both" in over:  # the live canary went too, under the accepted protection
         assert cfg.privacy.probe.live_canaries == 1 and stats["draft_tokens"]["canary_hits"] == 0
     assert time.time() - t0 < 300
+
+
+def test_a_message_type_without_its_own_entry_is_checked_on_every_field(tmp_path):
+    """A message type FLOOR_CHECKS does not list (a future query) is checked on every field
+    and counts as using the cloud and a peer: the check fails closed."""
+    from edgefuse.app.device import FLOOR_CHECKS, check_floor
+    from edgefuse.privacy.floors import FloorViolation
+
+    assert "query.future" not in FLOOR_CHECKS
+    cfg = compose("tiny", ["cloud=disabled", "c2c=disabled"])
+    home = home_with(tmp_path, "cloud: false\nc2c_share: false\n")
+    with pytest.raises(FloorViolation) as err:
+        check_floor(cfg, client_entry(cfg, PID), node_config(home), "query.future")
+    assert str(err.value).startswith("query.future refused: ")
+    assert "cloud: the server's message contacts the cloud" in str(err.value)
+    assert "c2c_share: the server's message shares with a peer" in str(err.value)
+    # the same config as a train message: only debug_text, which passes
+    assert check_floor(cfg, client_entry(cfg, PID), node_config(home), "train").cloud is False
