@@ -458,7 +458,7 @@ def test_round_one_factor_attack_without_a_reference_is_contained_by_the_median(
     ("training.trim_fraction=0.5", r"training.trim_fraction .* must be a number in \[0, 0.5\), got 0.5"),
     ("training.trim_fraction=-0.1", r"must be a number in \[0, 0.5\), got -0.1"),
     ("training.trim_fraction=quarter", r"must be a number in \[0, 0.5\), got 'quarter'"),
-    ("training.trim_fraction=true", r"must be a number in \[0, 0.5\), got True"),
+    ("training.trim_fraction=false", r"must be a number in \[0, 0.5\), got False"),  # a bool is no fraction
 ])
 def test_robust_settings_are_refused_at_compose(override, message):
     from edgefuse.config import ConfigError, compose
