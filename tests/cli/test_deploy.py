@@ -250,6 +250,9 @@ def test_unregistered_and_ca_less_supernodes_are_refused(deployment, tmp_path):
             "--max-wait-time", "10", "--node-config", "partition-id=0 num-partitions=1"]
     unreg = _start(deployment, [*base, "--port", str(port + 14), "--root-certificates", str(certs / "ca.pem"),
                                 "--auth-supernode-private-key", str(stranger)], tmp_path / "unreg.log")
+    # the attack flwr's SuperNode makes by default: no key given, so it registers itself
+    keyless = _start(deployment, [*base, "--port", str(port + 13), "--root-certificates", str(certs / "ca.pem")],
+                     tmp_path / "keyless.log")
     # and a registered node's own key, but without the CA: it cannot check the server
     no_ca = _start(deployment, [*base, "--port", str(port + 15), "--auth-supernode-private-key",
                                 str(certs / "supernodes" / "partition-0" / "node.key")], tmp_path / "noca.log")
@@ -261,6 +264,11 @@ def test_unregistered_and_ca_less_supernodes_are_refused(deployment, tmp_path):
     refusal = [line for line in link.splitlines() if "[/v1/fleet/activate-node][ApiError:2004]" in line]
     assert len(refusal) >= 1 and stranger_pub.splitlines()[1] in refusal[0].replace("\\n", "\n")
     assert re.search(r'"POST /v1/fleet/activate-node HTTP/1.1" 412', link)
+    _wait_for(lambda: "All SuperNodes must be registered via the CLI" in (tmp_path / "keyless.log").read_text(),
+              120, "the keyless SuperNode's refusal")
+    link = (work / "superlink.log").read_text()
+    assert "[/v1/fleet/register-node][ApiError:2001]" in link
+    assert re.search(r'"POST /v1/fleet/register-node HTTP/1.1" 412', link)
     assert no_ca.wait(120) != 0
     noca_log = (tmp_path / "noca.log").read_text()
     assert "CERTIFICATE_VERIFY_FAILED" in noca_log
@@ -270,7 +278,8 @@ def test_unregistered_and_ca_less_supernodes_are_refused(deployment, tmp_path):
                              env={**deployment["env"], "FLWR_HOME": str(work / "flwr")})
     nodes = json.loads(listing.stdout)["nodes"]
     assert [n["status"] for n in nodes] == ["online"]
-    os.killpg(unreg.pid, signal.SIGKILL)
+    for p in (unreg, keyless):
+        os.killpg(p.pid, signal.SIGKILL)
     # the script's trap stops everything it started, its SuperExec and app processes too
     os.kill(script.pid, signal.SIGTERM)
     assert script.wait(60) != 0
