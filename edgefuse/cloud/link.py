@@ -158,13 +158,20 @@ class CloudLink:
             handshake_down = len(body) + P.LENGTH_PREFIX_BYTES
             if down is not None:
                 time.sleep(down.delay_s(handshake_down))
-            cloud_key = None
+            cloud_key, handshake_up = None, len(hello)
             if insecure:
                 secure = derive_session(own, decode_welcome(body), sid, initiator=True)
             else:
                 eph, cloud_key = check_welcome(hello_body, body, trust, trust_on_first_use)
                 th = session_transcript(hello_body, body)
                 secure = derive_session(own, eph, sid, initiator=True, transcript=th)
+                # IDENTIFY, the first sealed frame: part of the handshake (its bytes and delay
+                # are the handshake's); the first request follows it on the wire
+                ident = frame(secure.seal(P.encode(make_identify(identity, th))))
+                if up is not None:
+                    time.sleep(up.delay_s(len(ident)))
+                sock.sendall(ident)
+                handshake_up += len(ident)
             sock.settimeout(None)
         except (OSError, PeerClosed) as exc:
             sock.close()
@@ -174,11 +181,8 @@ class CloudLink:
         except BaseException:
             sock.close()
             raise
-        link = cls(sock, secure, wan, up, down, len(hello), handshake_down, f"{host}:{port}",
+        return cls(sock, secure, wan, up, down, handshake_up, handshake_down, f"{host}:{port}",
                    cloud_key)
-        if not insecure:  # IDENTIFY: the first sealed frame, sent ahead of the first request
-            link._send_plain(P.encode(make_identify(identity, th)), message=False)
-        return link
 
     # --------------------------------------------------------------------------- I/O
 
@@ -192,11 +196,6 @@ class CloudLink:
         plain = P.encode(msg)
         # the device's outbound audit sees every frame before it is sealed
         outbound("draft_tokens" if isinstance(msg, (P.Open, P.Verify, P.Fuse)) else "control", plain)
-        self._send_plain(plain, message=True)
-
-    def _send_plain(self, plain: bytes, message: bool) -> None:
-        """Seal ``plain`` and write it (or queue it behind the WAN delay); ``message``: count
-        it in ``messages_up`` (the handshake's IDENTIFY is not)."""
         with self._send_lock:
             self._check_alive()
             data = frame(self._secure.seal(plain))
@@ -207,11 +206,11 @@ class CloudLink:
                     self._mark_dead(f"send failed: {exc}")
                     raise CloudUnavailable(f"cloud at {self.peer}: send failed: {exc}") from exc
                 self.bytes_up += len(data)
-                self.messages_up += int(message)
+                self.messages_up += 1
             else:
                 due = max(time.monotonic() + self.wan_up.delay_s(len(data)), self._last_up_due)
                 self._last_up_due = due
-                self._outbox.put((due, data, message))
+                self._outbox.put((due, data))
 
     def recv(self, timeout_s: float | None = None) -> P.Message:
         """The next message from the cloud, once visible (after its emulated downlink delay).
@@ -361,7 +360,7 @@ class CloudLink:
             item = self._outbox.get()
             if item is None:
                 return
-            due, data, message = item
+            due, data = item
             wait = due - time.monotonic()
             if wait > 0:
                 time.sleep(wait)
@@ -373,7 +372,7 @@ class CloudLink:
                 self._mark_dead(f"send failed: {exc}")
                 continue
             self.bytes_up += len(data)
-            self.messages_up += int(message)
+            self.messages_up += 1
 
     def _read_loop(self) -> None:
         while True:
