@@ -130,7 +130,7 @@ def _cloud(argv: list[str]) -> int:
     s.add_argument("--idle-timeout-s", type=float, default=300.0,
                    help="s without a valid message before a connection and its session close (default 300)")
     s.add_argument("--handshake-timeout-s", type=float, default=10.0,
-                   help="s a new connection has for its first message (default 10)")
+                   help="s a new connection has from accept to the device's verified identity (default 10)")
     s.add_argument("--max-frame-bytes", type=int, default=65536,
                    help="largest message body accepted, checked before it is read (default 65536)")
     s.add_argument("--max-pending", type=int, default=4,
