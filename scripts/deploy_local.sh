@@ -60,10 +60,9 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-# Identities of the cloud service and of every device (edgefuse keys init): devices' homes
-# are $WORK/keys/devices/partition-<i>, each with identity.key + trust.json.
-"$BIN/python" -c "import sys; from edgefuse.transport.identity import provision; \
-provision(sys.argv[1], int(sys.argv[2]))" "$EDGEFUSE_KEYS" "$N"
+# Identities of the cloud service and of every device: devices' homes are
+# $WORK/keys/devices/partition-<i>, each with identity.key + trust.json.
+"$BIN/edgefuse" keys init --partitions "$N" --root "$EDGEFUSE_KEYS" > "$WORK/keys.log"
 
 if [ "$SECURE" = 1 ]; then
   "$BIN/edgefuse" deploy certs --out "$CERTS" > "$WORK/certs.log"
