@@ -1,6 +1,18 @@
-"""What the command-line entry points share: one-line errors and override quoting."""
+"""What the command-line entry points share: one-line errors (a parser and an exception) and
+override quoting."""
 
 from __future__ import annotations
+
+import argparse
+import sys
+
+
+class Parser(argparse.ArgumentParser):
+    """``argparse`` that reports a usage error as one line (and exits 2), not usage + error."""
+
+    def error(self, message: str):
+        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
 
 
 class CLIError(Exception):

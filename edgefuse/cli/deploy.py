@@ -25,12 +25,10 @@ Layout written under one folder (private keys 0600, every file written atomicall
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import ipaddress
 import os
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -264,20 +262,11 @@ def write_supernode_keys(out: str | os.PathLike, num_nodes: int) -> list[Path]:
     return folders
 
 
-class _Parser(argparse.ArgumentParser):
-    """``argparse`` with a usage error as one line (exit 2), as ``edgefuse.cli.main`` does
-    (not imported from there: main imports this module)."""
-
-    def error(self, message: str):
-        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
-        sys.exit(2)
-
-
 def main(argv: list[str]) -> int:
     """``edgefuse deploy certs|supernode-keys ...``; errors as :class:`CLIError` (one line)."""
-    from edgefuse.cli.common import CLIError
+    from edgefuse.cli.common import CLIError, Parser
 
-    parser = _Parser(prog="edgefuse deploy")
+    parser = Parser(prog="edgefuse deploy")
     sub = parser.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("certs", help="a CA (kept if present) and a fresh SuperLink TLS certificate")
     c.add_argument("--out", required=True, help="folder for ca.pem, ca.key, server.pem, server.key")

@@ -21,20 +21,12 @@ import argparse
 import os
 import sys
 
-from edgefuse.cli.common import CLIError, one_line, quote_override
+from edgefuse.cli.common import CLIError, Parser, one_line, quote_override
 from edgefuse.config import resolve_paths
 from edgefuse.models import REGISTRY, ModelFetchError, ModelSpecError, fetch, is_fetched, model_dir
 
 EDGE_SLMS = ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"]
 CACHE_HELP = "model cache root (default: paths.cache_dir, $EDGEFUSE_CACHE, ~/.cache/edgefuse)"
-
-
-class Parser(argparse.ArgumentParser):
-    """``argparse`` that reports a usage error as one line (and exits 2), not usage + error."""
-
-    def error(self, message: str):
-        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
-        sys.exit(2)
 
 
 def _models(argv: list[str]) -> int:
