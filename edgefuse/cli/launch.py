@@ -67,7 +67,8 @@ def pinned_overrides(cfg: DictConfig, task_overrides: list[str]) -> list[str]:
 
 def foreign_superlink() -> str | None:
     """The command line of a running local simulation SuperLink started from another
-    Python environment (its runs would use that environment's code), else None."""
+    Python environment or with another ``PYTHONPATH`` (its runs would use that code), else
+    None."""
     import psutil
 
     mine = Path(sys.executable).parent
@@ -76,6 +77,12 @@ def foreign_superlink() -> str | None:
         if any(c.endswith("flower-superlink") for c in cmd[:2]) and "--simulation" in cmd:
             if not any(Path(c).parent == mine for c in cmd[:2]):
                 return " ".join(cmd[:2])
+            try:
+                theirs = p.environ().get("PYTHONPATH", "")
+            except (psutil.Error, OSError):
+                continue
+            if theirs != os.environ.get("PYTHONPATH", ""):
+                return f"{' '.join(cmd[:2])} with PYTHONPATH={theirs or '(none)'}"
     return None
 
 

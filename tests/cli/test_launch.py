@@ -127,8 +127,9 @@ def test_run_flower_failures(tmp_path, fake_flwr, beside, status, returncode, me
         launch.run_flower(compose("tiny"), [], tmp_path / "run")
 
 
-def proc(cmdline):
-    return type("P", (), {"info": {"cmdline": cmdline}})()
+def proc(cmdline, pythonpath=None):
+    env = {} if pythonpath is None else {"PYTHONPATH": pythonpath}
+    return type("P", (), {"info": {"cmdline": cmdline}, "environ": lambda self: env})()
 
 
 @pytest.mark.parametrize("cmdline, foreign", [
@@ -141,8 +142,21 @@ def proc(cmdline):
 def test_foreign_superlink(monkeypatch, cmdline, foreign):
     import psutil
 
+    monkeypatch.delenv("PYTHONPATH", raising=False)
     monkeypatch.setattr(psutil, "process_iter", lambda attrs=None: iter([proc(None), proc(cmdline)]))
     assert launch.foreign_superlink() == (" ".join(cmdline[:2]) if foreign else None)
+
+
+def test_superlink_of_this_environment_with_another_pythonpath_is_foreign(monkeypatch):
+    """A SuperLink started with PYTHONPATH=<another checkout> imports that checkout's code."""
+    import psutil
+
+    cmdline = [str(VENV_BIN / "python"), str(VENV_BIN / "flower-superlink"), "--simulation"]
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    monkeypatch.setattr(psutil, "process_iter", lambda attrs=None: iter([proc(cmdline, "/tmp/wt")]))
+    assert launch.foreign_superlink() == " ".join(cmdline[:2]) + " with PYTHONPATH=/tmp/wt"
+    monkeypatch.setenv("PYTHONPATH", "/tmp/wt")  # the same PYTHONPATH as ours: not foreign
+    assert launch.foreign_superlink() is None
 
 
 @pytest.fixture
