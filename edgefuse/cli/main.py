@@ -245,16 +245,16 @@ def _cloud(argv: list[str]) -> int:
 
 
 def _keys(argv: list[str]) -> int:
-    """``edgefuse keys init | show | safety-number``: the operator's view of the identities
+    """``edgefuse keys init | new | register | show | safety-number``: the identities
     (:mod:`edgefuse.transport.identity`) under a keys root (default
     :func:`edgefuse.app.device.keys_root`)."""
     from pathlib import Path
 
     from edgefuse.app.device import keys_root
-    from edgefuse.transport.identity import (AUTHORIZED_FILE, CLOUD, IDENTITY_FILE, TRUST_FILE, IdentityError,
+    from edgefuse.transport.identity import (AUTHORIZED_FILE, CLOUD, IDENTITY_FILE, PUBLIC_FILE, TRUST_FILE, IdentityError,
                                              TrustStore,
                                              check_name, cloud_dir, device_dir, fingerprint, load_identity,
-                                             provision, safety_number)
+                                             provision, read_public, register_public, safety_number)
 
     root_help = "keys root (default: $EDGEFUSE_KEYS, else <edgefuse cache>/identity)"
     parser = Parser(prog="edgefuse keys")
@@ -262,6 +262,12 @@ def _keys(argv: list[str]) -> int:
     i = sub.add_parser("init", help="make (or keep) the cloud's and N devices' identities and pins")
     i.add_argument("--partitions", type=int, required=True, help="number of devices (partition ids 0..N-1)")
     i.add_argument("--root", default=None, help=root_help)
+    k = sub.add_parser("new", help="on a device: make (or keep) its own identity; prints the public key to register")
+    k.add_argument("--device-dir", required=True, help="the device's own folder")
+    r = sub.add_parser("register", help="operator: pin a key a device made itself (then run init again)")
+    r.add_argument("name", help="device-<pid>")
+    r.add_argument("public_key", help="the 64-hex public key `edgefuse keys new` printed on the device")
+    r.add_argument("--root", default=None, help=root_help)
     s = sub.add_parser("show", help="one identity's name and fingerprint, and the keys it pins")
     where = s.add_mutually_exclusive_group()
     where.add_argument("--device-dir", default=None, help="a device's own folder (identity.key, trust.json)")
@@ -296,10 +302,10 @@ def _keys(argv: list[str]) -> int:
         if args.device_dir:  # this device's own key, else the key it pins for the name
             ident, store, me = own(Path(args.device_dir).expanduser().resolve())
             return ident.public_bytes() if name == me else store.get(check_name(name))
-        path = folder(name) / IDENTITY_FILE
-        if not path.exists():
-            raise IdentityError(f"no identity for {name} at {path} (edgefuse keys init --root {root})")
-        return load_identity(path).public_bytes()
+        path = folder(name)
+        if not (path / IDENTITY_FILE).exists() and not (path / PUBLIC_FILE).exists():
+            raise IdentityError(f"no identity for {name} at {path / IDENTITY_FILE} (edgefuse keys init --root {root})")
+        return read_public(path)
 
     def show(path: Path, name: str | None = None) -> None:
         ident, store, me = own(path)
@@ -312,6 +318,23 @@ def _keys(argv: list[str]) -> int:
             for name, fp in provision(root, args.partitions).items():
                 print(f"{name:<12} {fp}")
             print(f"keys root: {root}")
+            return 0
+        if args.cmd == "new":
+            ident = load_identity(Path(args.device_dir).expanduser().resolve() / IDENTITY_FILE, create=True)
+            print(f"public key {ident.public_bytes().hex()}  fingerprint {ident.fingerprint}")
+            print("give the operator the public key: edgefuse keys register device-<pid> <public key>")
+            return 0
+        if args.cmd == "register":
+            pid = folder(args.name).name.removeprefix("partition-")
+            if args.name == CLOUD:
+                raise IdentityError("register pins a device's key; the cloud's identity is made by init")
+            try:
+                key = bytes.fromhex(args.public_key)
+            except ValueError:
+                raise IdentityError("the public key must be 64 hex characters") from None
+            path = register_public(root, int(pid), key)
+            print(f"{args.name:<12} {fingerprint(key)}  ({path}); now run: edgefuse keys init "
+                  f"--partitions N --root {root}, and give the device its trust.json")
             return 0
         if args.cmd == "safety-number":
             a, b = public(args.name_a), public(args.name_b)

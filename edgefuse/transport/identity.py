@@ -18,8 +18,13 @@ Layout written by :func:`provision` under one root::
 
     <root>/cloud/identity.key                 the service's Ed25519 private key (PEM, 0600)
     <root>/cloud/authorized_devices.json      trust store: the devices it serves
-    <root>/devices/partition-<pid>/identity.key
+    <root>/devices/partition-<pid>/identity.key  (or identity.pub: a key made on the device)
     <root>/devices/partition-<pid>/trust.json trust store: the cloud and the other devices
+
+A device may make its own key (:func:`load_identity` with ``create=True`` in its own folder,
+``edgefuse keys new``) and hand the operator only the public part (:func:`register_public`,
+``edgefuse keys register``): then no private key of that device ever exists on the
+operator's machine.
 
 Nothing in this module logs; ``repr`` of an :class:`Identity` shows its fingerprint only.
 """
@@ -42,6 +47,7 @@ PUBLIC_KEY_BYTES = 32
 SIGNATURE_BYTES = 64
 CLOUD = "cloud"
 IDENTITY_FILE = "identity.key"
+PUBLIC_FILE = "identity.pub"
 TRUST_FILE = "trust.json"
 AUTHORIZED_FILE = "authorized_devices.json"
 MAX_PINS = 4096
@@ -271,12 +277,52 @@ def cloud_dir(root: str | os.PathLike) -> Path:
     return Path(root) / "cloud"
 
 
+def register_public(root: str | os.PathLike, partition_id: int, public: bytes) -> Path:
+    """Record a key the device made itself: ``<root>/devices/partition-<pid>/identity.pub``
+    (64 hex + newline); :func:`provision` then pins it instead of making a key for it.
+
+    Raises :class:`IdentityError` for a malformed key, or if the operator already holds a
+    private key for that device (``identity.key``) with another public key."""
+    public = _public(public)
+    folder = device_dir(root, partition_id)
+    key_file = folder / IDENTITY_FILE
+    if key_file.exists() and load_identity(key_file).public_bytes() != public:
+        raise IdentityError(f"{key_file} holds another key for {device_name(partition_id)}; "
+                            "remove it first to register the device's own key")
+    return atomic_write_bytes(folder / PUBLIC_FILE, public.hex().encode() + b"\n", mode=0o644)
+
+
+def read_public(folder: str | os.PathLike) -> bytes:
+    """The public key of the identity kept in ``folder``: its ``identity.key``, else its
+    registered ``identity.pub``. Raises :class:`IdentityError` if neither is there or the
+    one there is malformed."""
+    folder = Path(folder)
+    if (folder / IDENTITY_FILE).exists():
+        return load_identity(folder / IDENTITY_FILE).public_bytes()
+    pub_file = folder / PUBLIC_FILE
+    if not pub_file.exists():
+        raise IdentityError(f"no identity in {folder} ({IDENTITY_FILE} or {PUBLIC_FILE})")
+    try:
+        return _public(bytes.fromhex(pub_file.read_bytes()[:200].decode().strip()))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise IdentityError(f"{pub_file} is not a 64-hex Ed25519 public key: {exc}") from None
+
+
+def _device_public(root: Path, partition_id: int) -> bytes:
+    """The device's registered public key, else its (kept or new) operator-made identity's."""
+    folder = device_dir(root, partition_id)
+    if (folder / PUBLIC_FILE).exists() or (folder / IDENTITY_FILE).exists():
+        return read_public(folder)
+    return load_identity(folder / IDENTITY_FILE, create=True).public_bytes()
+
+
 def provision(root: str | os.PathLike, num_partitions: int) -> dict[str, str]:
     """The operator's step: make (or keep) the cloud's and every device's identity under
     ``root`` and write the trust stores that pin them (layout in the module docstring).
 
-    Existing identities are kept, so running it again changes nothing; a device's trust
-    store is rewritten with the current keys of the cloud and of every other device
+    Existing identities are kept, so running it again changes nothing; a device whose own
+    public key was registered (:func:`register_public`) gets no key made for it. A device's
+    trust store is rewritten with the current keys of the cloud and of every other device
     (pins of other names it holds are kept). Returns ``{name: fingerprint}``.
     Raises :class:`IdentityError` for ``num_partitions`` < 1 or a bad existing key file.
     """
@@ -284,16 +330,15 @@ def provision(root: str | os.PathLike, num_partitions: int) -> dict[str, str]:
         raise IdentityError(f"num_partitions must be >= 1, got {num_partitions}")
     root = Path(root)
     cloud = load_identity(cloud_dir(root) / IDENTITY_FILE, create=True)
-    devices = {device_name(p): load_identity(device_dir(root, p) / IDENTITY_FILE, create=True)
-               for p in range(int(num_partitions))}
+    devices = {device_name(p): _device_public(root, p) for p in range(int(num_partitions))}
     authorized = TrustStore.load(cloud_dir(root) / AUTHORIZED_FILE)
-    for name, ident in devices.items():
-        authorized.pin(name, ident.public_bytes(), replace=True)
+    for name, public in devices.items():
+        authorized.pin(name, public, replace=True)
     authorized.save()
     for pid in range(int(num_partitions)):
         store = TrustStore.load(device_dir(root, pid) / TRUST_FILE)
         store.pin(CLOUD, cloud.public_bytes(), replace=True)
-        for name, ident in devices.items():
-            store.pin(name, ident.public_bytes(), replace=True)
+        for name, public in devices.items():
+            store.pin(name, public, replace=True)
         store.save()
-    return {CLOUD: cloud.fingerprint, **{n: i.fingerprint for n, i in devices.items()}}
+    return {CLOUD: cloud.fingerprint, **{n: fingerprint(p) for n, p in devices.items()}}

@@ -83,3 +83,29 @@ def test_errors_are_one_line(tmp_path):
 def test_show_takes_one_place(argv):
     rc, line = cli(*argv)
     assert rc == 2 and "not allowed with argument" in line
+
+
+def test_a_device_makes_its_own_key_and_the_operator_registers_only_the_public_part(tmp_path, capsys):
+    dev, ops = tmp_path / "device", tmp_path / "ops"
+    line = run(capsys, "keys", "new", "--device-dir", str(dev))[0]
+    own = load_identity(dev / "identity.key")
+    assert line == f"public key {own.public_bytes().hex()}  fingerprint {own.fingerprint}"
+    run(capsys, "keys", "register", "device-1", own.public_bytes().hex(), "--root", str(ops))
+    out = run(capsys, "keys", "init", "--partitions", "2", "--root", str(ops))
+    assert f"{'device-1':<12} {own.fingerprint}" in out
+    assert not (device_dir(ops, 1) / "identity.key").exists()  # the operator never held it
+    # the trust.json the operator hands back pins the device's own key for it, and the cloud's
+    TrustStore.load(device_dir(ops, 0) / "trust.json").check("device-1", own.public_bytes())
+    a = load_identity(device_dir(ops, 0) / "identity.key").public_bytes()
+    assert run(capsys, "keys", "safety-number", "device-0", "device-1", "--root", str(ops)) == [
+        f"device-0 <-> device-1: {safety_number(a, own.public_bytes())}"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["register", "device-1", "zz"], "64 hex"),
+    (["register", "cloud", "00" * 32], "cloud's identity is made by init"),
+    (["register", "device-x", "00" * 32], "unknown name"),
+])
+def test_register_refusals_are_one_line(tmp_path, args, message):
+    code, err = cli("keys", *args, "--root", str(tmp_path))  # cli() checks one line, no traceback
+    assert code != 0 and message in err

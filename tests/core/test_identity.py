@@ -87,3 +87,23 @@ def test_provision_pins_everyone_and_is_idempotent(tmp_path):
         assert trust.names() == [CLOUD, "device-0", "device-1", "device-2"]
     with pytest.raises(IdentityError):
         device_name(-1)
+
+
+def test_a_device_made_key_is_pinned_and_never_made_by_the_operator(tmp_path):
+    """The device keeps its private key; the operator registers only the public part."""
+    from edgefuse.transport.identity import PUBLIC_FILE, register_public
+
+    own = load_identity(tmp_path / "on-device" / IDENTITY_FILE, create=True)  # on the device
+    register_public(tmp_path / "ops", 1, own.public_bytes())  # the operator's machine
+    prints = provision(tmp_path / "ops", 2)
+    assert prints["device-1"] == own.fingerprint
+    assert not (device_dir(tmp_path / "ops", 1) / IDENTITY_FILE).exists()  # no key made for it
+    assert (device_dir(tmp_path / "ops", 0) / IDENTITY_FILE).exists()  # the other one: operator-made
+    TrustStore.load(cloud_dir(tmp_path / "ops") / AUTHORIZED_FILE).check("device-1", own.public_bytes())
+    TrustStore.load(device_dir(tmp_path / "ops", 0) / TRUST_FILE).check("device-1", own.public_bytes())
+    # an operator-held key for the device with another public key is not silently replaced
+    with pytest.raises(IdentityError, match="holds another key"):
+        register_public(tmp_path / "ops", 0, own.public_bytes())
+    (device_dir(tmp_path / "ops", 1) / PUBLIC_FILE).write_text("zz" * 32)
+    with pytest.raises(IdentityError, match="not a 64-hex"):
+        provision(tmp_path / "ops", 2)
