@@ -47,7 +47,8 @@ from edgefuse.transport.crypto import (DIR_INITIATOR_TO_RESPONDER, DIR_RESPONDER
                                        SecureSession, generate_keypair)
 from edgefuse.transport.identity import (PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity,
                                          IdentityError, TrustStore, UntrustedPeerError,
-                                         check_name, fingerprint, verify_signature)
+                                         check_device_name, check_name, fingerprint,
+                                         verify_signature)
 
 PREKEY_DOMAIN = b"edgefuse-c2c-prekey-v1"
 SHARE_DOMAIN = b"edgefuse-c2c-share-v1"
@@ -130,10 +131,11 @@ def check_identity(trust: TrustStore, name: str, presented: bytes) -> bytes:
     """The key pinned for ``name`` once ``presented`` (the key the relay forwarded) is it.
 
     Raises:
-        UntrustedPeerError: no pin for ``name``, or ``presented`` is another key (the
-            message names the peer, the presented and the pinned fingerprints).
+        UntrustedPeerError: ``name`` is not a device's (``device-<pid>``: the ``cloud`` pin is
+            never a peer), no pin for it, or ``presented`` is another key (the message names
+            the peer, the presented and the pinned fingerprints).
     """
-    pinned = trust.get(check_name(name))
+    pinned = trust.get(check_device_name(name))
     presented = _key(presented, f"the identity key forwarded for {name!r}")
     if presented != pinned:
         raise UntrustedPeerError(

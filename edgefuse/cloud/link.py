@@ -38,7 +38,7 @@ import threading
 import time
 
 from edgefuse.cloud import protocol as P
-from edgefuse.cloud.wire import (PeerClosed, check_welcome, decode_health, decode_welcome,
+from edgefuse.cloud.wire import (WELCOME_ANONYMOUS_BYTES, WELCOME_BYTES, PeerClosed, check_welcome, decode_health, decode_welcome,
                                  encode_health_probe, encode_hello, frame, make_identify,
                                  recv_message, send_message, session_transcript)
 from edgefuse.transport.crypto import (FrameError, SecureSession, derive_session,
@@ -48,6 +48,7 @@ from edgefuse.privacy.audit import outbound
 from edgefuse.transport.wan import WanLink, WanProfile
 
 log = logging.getLogger("edgefuse.cloud")
+HEALTH_MAX_BYTES = 65536  # a health answer is a small JSON object
 
 
 class CloudUnavailable(ConnectionError):
@@ -126,8 +127,9 @@ class CloudLink:
         (in memory; save the store to keep it; ``cloud_identity`` is the key). ``insecure``:
         the anonymous handshake, for the benchmark's "auth off" column only (a default service
         refuses it; ``identity``/``trust`` are then ignored). ``wan``: emulate this link
-        profile (None = no delay). ``timeout_s``: seconds for the TCP connect and for the
-        cloud's welcome.
+        profile (None = no delay). ``timeout_s``: seconds for the whole handshake, the TCP
+        connect included (a cloud that trickles its welcome byte by byte is cut off at it);
+        a welcome announced longer than a welcome is refused before it is read.
 
         Raises :class:`edgefuse.transport.identity.UntrustedPeerError` (the cloud's identity
         is not the pinned one or its signature does not verify; the socket is closed before
@@ -140,6 +142,7 @@ class CloudLink:
             raise ValueError("a cloud link needs this device's identity and trust store "
                              "(DeviceHome.identity() / trust()); insecure=True (anonymous) is "
                              "for the benchmark only")
+        deadline = time.monotonic() + timeout_s
         try:
             sock = socket.create_connection((host, port), timeout=timeout_s)
         except OSError as exc:
@@ -154,7 +157,7 @@ class CloudLink:
             if up is not None:
                 time.sleep(up.delay_s(len(hello)))
             sock.sendall(hello)
-            body = recv_message(sock)
+            body = recv_message(sock, max(WELCOME_BYTES, WELCOME_ANONYMOUS_BYTES), deadline)
             handshake_down = len(body) + P.LENGTH_PREFIX_BYTES
             if down is not None:
                 time.sleep(down.delay_s(handshake_down))
@@ -417,10 +420,11 @@ def cloud_health(host: str, port: int, timeout_s: float = 5.0, token: str | None
     ``token``: the service's health token (its full counters; None: liveness and load only).
     Raises :class:`CloudUnavailable` (refused, closed, no answer in time),
     :class:`edgefuse.cloud.protocol.ProtocolError` (not JSON)."""
+    deadline = time.monotonic() + timeout_s
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as sock:
             send_message(sock, encode_health_probe(token))
-            body = recv_message(sock)
+            body = recv_message(sock, HEALTH_MAX_BYTES, deadline)
     except (OSError, PeerClosed) as exc:
         raise CloudUnavailable(f"no health answer from the cloud at {host}:{port}: "
                                f"{type(exc).__name__}: {exc}") from exc

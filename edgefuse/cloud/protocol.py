@@ -396,7 +396,7 @@ class _Reader:
         (n,) = self.unpack(_U16)
         try:
             obj = json.loads(bytes(self.take(n)))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # nesting bomb
             raise ProtocolError(f"{self.kind} JSON header does not parse: {exc}") from None
         if not isinstance(obj, dict):
             raise ProtocolError(f"{self.kind} JSON header is not an object")
@@ -482,10 +482,10 @@ def decode(data: bytes) -> Message:
         else:
             h = r.json()
             msg = Error(str(h.get("code", "unknown")), str(h.get("message", "")))
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:  # int(1e400): OverflowError
         if isinstance(exc, ProtocolError):
             raise
-        raise ProtocolError(f"{TYPE_NAMES[t]} message has a bad field: {exc!r}") from None
+        raise ProtocolError(f"{TYPE_NAMES[t]} message has a bad field: {exc!r:.200}") from None
     r.end()
     return msg
 

@@ -64,6 +64,7 @@ import hashlib
 import json
 import socket
 import struct
+import time
 
 from edgefuse.cloud.protocol import (LENGTH_PREFIX_BYTES, MAGIC_HEALTH, MAGIC_HELLO,
                                      MAGIC_HELLO_ANONYMOUS, MAGIC_WELCOME,
@@ -103,20 +104,27 @@ def frame(body: bytes) -> bytes:
     return _PREFIX.pack(n) + bytes(body)
 
 
-def _check_length(n: int) -> int:
-    if n > MAX_MESSAGE_BYTES:
+def _check_length(n: int, limit: int = MAX_MESSAGE_BYTES) -> int:
+    if n > limit:
         raise MessageTooLarge(f"peer announced a {n}-byte message; the limit is "
-                              f"{MAX_MESSAGE_BYTES} bytes")
+                              f"{limit} bytes")
     return n
 
 
 # ----------------------------------------------------------------------------- blocking sockets
 
-def recv_exact(sock: socket.socket, n: int) -> bytes:
+def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
     """Read exactly ``n`` bytes; raises :class:`PeerClosed` on EOF (and whatever ``OSError``
-    the socket raises, e.g. ``TimeoutError`` under a socket timeout)."""
+    the socket raises, e.g. ``TimeoutError`` under a socket timeout). ``deadline``: a
+    ``time.monotonic()`` instant by which all ``n`` bytes must be in (``TimeoutError``
+    after it, however slowly the peer trickles them); None = the socket's own timeout."""
     buf = bytearray()
     while len(buf) < n:
+        if deadline is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{len(buf)} of {n} bytes arrived before the deadline")
+            sock.settimeout(remaining)
         chunk = sock.recv(n - len(buf))
         if not chunk:
             where = "between messages" if not buf and n == LENGTH_PREFIX_BYTES else "mid-message"
@@ -125,11 +133,14 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def recv_message(sock: socket.socket) -> bytes:
+def recv_message(sock: socket.socket, max_bytes: int = MAX_MESSAGE_BYTES,
+                 deadline: float | None = None) -> bytes:
     """Read one framed message and return its body (``len(body) + 4`` bytes were read).
-    Raises :class:`PeerClosed`, :class:`MessageTooLarge`, ``OSError``."""
-    (n,) = _PREFIX.unpack(recv_exact(sock, LENGTH_PREFIX_BYTES))
-    return recv_exact(sock, _check_length(n)) if n else b""
+    ``max_bytes``: the largest body accepted, checked before it is read; ``deadline``: as
+    :func:`recv_exact`, for the whole message. Raises :class:`PeerClosed`,
+    :class:`MessageTooLarge`, ``OSError`` (``TimeoutError`` past the deadline)."""
+    (n,) = _PREFIX.unpack(recv_exact(sock, LENGTH_PREFIX_BYTES, deadline))
+    return recv_exact(sock, _check_length(n, max_bytes), deadline) if n else b""
 
 
 def send_message(sock: socket.socket, body: bytes) -> int:

@@ -320,7 +320,7 @@ def _redact_violations(cfg, floor: PrivacyFloor) -> list[str]:
     thr = red.get("score_threshold", DEFAULT_SCORE_THRESHOLD) if hasattr(red, "get") else DEFAULT_SCORE_THRESHOLD
     if isinstance(thr, bool) or not isinstance(thr, (int, float)):
         out.append(f"protection: the server's privacy.redact.score_threshold={_short(thr)} is not a number")
-    elif thr > floor.redact_max_threshold:
+    elif not thr <= floor.redact_max_threshold:  # NaN compares false both ways: refused too
         out.append(f"protection: the server's privacy.redact.score_threshold={thr} is looser than this "
                    f"device's floor redact.score_threshold={floor.redact_max_threshold} "
                    f"(from {floor.source('redact_max_threshold')})")

@@ -72,6 +72,20 @@ def device_name(partition_id: int) -> str:
     return f"device-{pid}"
 
 
+_DEVICE_NAME = re.compile(r"^device-(0|[1-9][0-9]{0,8})$")
+
+
+def check_device_name(name: str) -> str:
+    """``name`` if it names a device (``device-<pid>``, as :func:`device_name` writes it);
+    raises :class:`UntrustedPeerError` for anything else, the ``cloud`` pin included: a trust
+    store pins the cloud and the devices side by side, and a device exchange must never be
+    keyed by the cloud's (operator-held) identity."""
+    if not isinstance(name, str) or not _DEVICE_NAME.match(name):
+        raise UntrustedPeerError(f"{name!r:.80} does not name a device (device-<partition id>): "
+                                 "refusing it as a peer")
+    return name
+
+
 def check_name(name: str) -> str:
     """``name`` if it is a valid trust-store name (1–64 of ``A-Za-z0-9._-``, not starting
     with a dot or dash); raises :class:`IdentityError` otherwise."""

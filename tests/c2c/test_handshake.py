@@ -74,3 +74,24 @@ def test_malformed_sizes_from_the_relay_are_refused_by_name(field, size, ends):
     _, hs = seal_for(a, "device-0", trust, bundle, SID, RUN)
     with pytest.raises(UntrustedPeerError, match="ephemeral key forwarded for 'device-0' must be 32 bytes, got 31"):
         open_from(b, "device-1", prekey, trust, "device-0", a.public_bytes(), Handshake(b"\x01" * 31, hs.signature), SID)
+
+
+def test_a_relay_holding_the_cloud_key_cannot_pose_as_a_peer_called_cloud(ends):
+    """The trust store pins the cloud beside the devices, and the operator's server holds the
+    cloud's identity key: a relay that names the peer "cloud" and signs its own prekey (or its
+    own ephemeral key) with that key must be refused on both sides, not read or forge."""
+    a, b, trust, prekey, bundle = ends
+    cloud = Identity.generate()
+    trust.pin("cloud", cloud.public_bytes())
+    relay_prekey = generate_keypair()
+    posing = PeerPrekey("cloud", cloud.public_bytes(), relay_prekey.public_bytes(),
+                        sign_prekey(cloud, "cloud", relay_prekey.public_bytes(), RUN))
+    with pytest.raises(UntrustedPeerError, match="'cloud' does not name a device"):
+        seal_for(a, "device-0", trust, posing, SID, RUN)  # the sharer would seal for the relay
+    # the receiver side: a payload "from cloud", sealed by the relay under the cloud key
+    forged, hs = seal_for(cloud, "cloud", TrustStore({"device-1": b.public_bytes()}), bundle, SID, RUN)
+    with pytest.raises(UntrustedPeerError, match="'cloud' does not name a device"):
+        open_from(b, "device-1", prekey, trust, "cloud", cloud.public_bytes(), hs, SID)
+    for name in ("device-01", "device--1", "device-1x", "Device-1"):
+        with pytest.raises(UntrustedPeerError, match="does not name a device"):
+            open_from(b, "device-1", prekey, trust, name, a.public_bytes(), hs, SID)

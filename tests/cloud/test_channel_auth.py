@@ -435,3 +435,49 @@ def test_serve_without_its_keys_is_one_line(tmp_path):
     rc, line = cli("cloud", "serve", "--model", "tiny-qwen2", "--port", "0",
                    "--authorized-devices", str(empty))
     assert rc != 0 and line == f"edgefuse: error: {empty} authorizes no device"
+
+
+def _fake_cloud(behaviour):
+    """A listening socket that answers one device's hello with ``behaviour(conn)``."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+
+    def serve():
+        conn, _ = srv.accept()
+        with conn:
+            wire.recv_message(conn)
+            behaviour(conn)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return srv
+
+
+def _trickle(conn):
+    """A welcome announced at 16 MiB, sent one byte every 0.3 s (never finishes in time)."""
+    try:
+        conn.sendall((16 * 1024 * 1024 - 1).to_bytes(4, "big"))
+        for _ in range(40):
+            conn.sendall(b"x")
+            time.sleep(0.3)
+    except OSError:
+        pass
+
+
+def test_a_cloud_trickling_its_welcome_is_cut_off_at_the_connect_timeout():
+    """The handshake's timeout is one deadline, not per read: a fake cloud (anyone at the
+    host:port the server names) that drips bytes cannot stall the device past it."""
+    srv = _fake_cloud(lambda conn: (conn.sendall((wire.WELCOME_BYTES).to_bytes(4, "big")),
+                                    [(conn.sendall(b"x"), time.sleep(0.3)) for _ in range(40)]))
+    t0 = time.monotonic()
+    with srv, pytest.raises(CloudUnavailable, match="TimeoutError"):
+        CloudLink.connect(*srv.getsockname(), timeout_s=1.5, **device_keys())
+    assert time.monotonic() - t0 < 4.0  # 1.5 s deadline (+ slack), not 40 × 0.3 s
+
+
+def test_a_welcome_announced_longer_than_a_welcome_is_refused_before_it_is_read():
+    srv = _fake_cloud(_trickle)
+    t0 = time.monotonic()
+    with srv, pytest.raises(wire.MessageTooLarge, match=f"limit is {wire.WELCOME_BYTES} bytes"):
+        CloudLink.connect(*srv.getsockname(), timeout_s=10, **device_keys())
+    assert time.monotonic() - t0 < 2.0  # refused on the length prefix, not after reading

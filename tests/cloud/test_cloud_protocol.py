@@ -55,6 +55,17 @@ def test_topk_dequantizes_below_the_top():
     np.testing.assert_allclose(top.logprobs(), [-0.25, -0.45, -0.25 - 5.1], atol=1e-6)
 
 
+def _open_header(fields, raw: bytes | None = None) -> bytes:
+    """An OPEN whose JSON header is a valid one with ``fields`` changed (or ``raw`` bytes)."""
+    import json
+    import struct
+
+    h = {"offset": 0, "fingerprint": "f", "temperature": 0.0, "top_k": 0, "seed": 0, "max_new": 4,
+         "flag_cache": 1, "l_cache": 0xFFFFFFFF, **(fields or {})}
+    body = raw if raw is not None else json.dumps(h).encode()
+    return bytes([P.OPEN]) + struct.pack(">H", len(body)) + body
+
+
 @pytest.mark.parametrize("data, match", [
     (b"", "empty"),
     (bytes([99]), "unknown message type"),
@@ -63,6 +74,8 @@ def test_topk_dequantizes_below_the_top():
     (P.encode(P.Verify(1, 2, [3, 4]))[:-3], "truncated"),
     (bytes([P.OPEN]) + b"\x00\x02{}", "bad field"),
     (bytes([P.OPEN]) + b"\x00\x03{x}", "does not parse"),
+    (_open_header({"top_k": 1e400}), "bad field"),  # int(inf): OverflowError
+    (_open_header(None, raw=b"[" * 30000 + b"]" * 30000), "does not parse"),  # a nesting bomb
 ])
 def test_malformed_messages_are_refused(data, match):
     with pytest.raises(P.ProtocolError, match=match):

@@ -249,3 +249,14 @@ def test_floor_file_limits_and_bad_node_keys(tmp_path):
     with pytest.raises(FloorError, match="node_config floor-l-cache: expected null or an integer"):
         load(None, {"floor-l-cache": "lots"})
     assert FIELDS == ("protection", "debug_text", "cloud_cache", "cloud", "c2c_share")
+
+
+def test_a_nan_threshold_from_a_server_that_skips_compose_is_refused(tmp_path):
+    """Compose refuses NaN, but a hostile server sends whatever JSON it likes: NaN compares
+    false both ways, so the floor's check must not read "not above the floor" as "within it"."""
+    path = tmp_path / "floors.yaml"
+    path.write_text("redact: {score_threshold: 0.5}\n")
+    cfg, entry = _cfg()
+    cfg.privacy.redact.score_threshold = float("nan")
+    with pytest.raises(FloorViolation, match="score_threshold=nan is looser than this device's floor"):
+        check(cfg, entry, load(path), entry_key="federation.clients.0")
