@@ -51,6 +51,13 @@ def test_more_devices_than_sessions_is_refused():
     check_config(compose("tiny", ["cloud.devices=4", "cloud.service.max_sessions=4"]))
 
 
+def test_more_unauthenticated_slots_than_connections_are_refused_at_compose():
+    assert refused(["cloud.service.max_handshakes=200", "cloud.service.max_connections=128"]).startswith(
+        "cloud.service.max_handshakes (200) must be <= cloud.service.max_connections (128)")
+    assert "max_handshakes" in refused(["cloud.service.max_handshakes=0"])
+    check_config(compose("tiny", ["cloud.service.max_handshakes=128", "cloud.service.max_connections=128"]))
+
+
 def test_drafts_longer_than_the_service_accepts_are_refused():
     msg = refused(["cloud.decode.gamma_max=32", "cloud.service.max_draft=16"])
     assert msg.startswith("cloud.decode.gamma_max / gamma (32) must be <= cloud.service.max_draft (16)")

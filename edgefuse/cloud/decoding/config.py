@@ -151,6 +151,14 @@ def check_config(cfg) -> None:
     if int(cloud.devices) > int(cloud.service.max_sessions):
         raise ConfigError(f"cloud.devices ({cloud.devices}) must be <= cloud.service.max_sessions "
                           f"({cloud.service.max_sessions}): the service refuses the sessions beyond it")
+    conns, shakes = cloud.service.get("max_connections"), cloud.service.get("max_handshakes")
+    if conns is not None and shakes is not None:
+        positive_int(conns, "cloud.service.max_connections")
+        positive_int(shakes, "cloud.service.max_handshakes")
+        if int(shakes) > int(conns):
+            raise ConfigError(f"cloud.service.max_handshakes ({shakes}) must be <= "
+                              f"cloud.service.max_connections ({conns}): the unauthenticated "
+                              "connections are some of all connections")
     max_draft = cloud.service.get("max_draft")
     longest = max(int(cloud.decode.gamma_max), int(cloud.decode.gamma or 0))
     if max_draft is not None and longest > int(max_draft):
