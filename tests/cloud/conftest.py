@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import copy
 import socket
+import threading
 import time
 
 import pytest
@@ -62,6 +63,37 @@ def perturbed_copy(model, scale: float, seed: int = 0):
         for p in m.parameters():
             p.add_(torch.randn(p.shape, generator=g) * scale * p.std().clamp_min(1e-3))
     return m.eval()
+
+
+class TcpRelay:
+    """A TCP relay between one client and ``port`` on loopback: accepts once, connects to the
+    target and runs :meth:`_pump` (each subclass's) in a thread per direction ("up" = client
+    -> target, "down" = back)."""
+
+    def __init__(self, port: int):
+        self.target_port = port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.threads = []
+        self.accepted = threading.Thread(target=self._accept, daemon=True)
+        self.accepted.start()
+
+    def _accept(self):
+        client, _ = self.listener.accept()
+        server = socket.create_connection(("127.0.0.1", self.target_port))
+        for src, dst, direction in ((client, server, "up"), (server, client, "down")):
+            t = threading.Thread(target=self._pump, args=(src, dst, direction), daemon=True)
+            t.start()
+            self.threads.append(t)
+
+    def _pump(self, src, dst, direction):
+        raise NotImplementedError
+
+    def join(self, timeout_s=5.0):
+        self.accepted.join(timeout_s)
+        for t in self.threads:
+            t.join(timeout_s)
+        self.listener.close()
 
 
 class DirectLink:

@@ -23,7 +23,7 @@ from edgefuse.models import tiny_model
 from edgefuse.transport.crypto import derive_session, generate_keypair, new_session_id
 from edgefuse.transport.identity import (CLOUD, Identity, TrustStore, UntrustedPeerError,
                                          fingerprint)
-from tests.cloud.conftest import RawClient, device_keys, service_keys, wait_for
+from tests.cloud.conftest import RawClient, TcpRelay, device_keys, service_keys, wait_for
 
 PROMPT = [5, 17, 33, 60, 91]
 
@@ -52,26 +52,15 @@ def closed_by_peer(sock: socket.socket, timeout_s: float = 10.0) -> bool:
         return False
 
 
-class MessageRelay:
+class MessageRelay(TcpRelay):
     """A TCP relay between one device and ``port`` that forwards framed messages, passing each
     through ``transform(direction, index, body) -> body`` ("up" = device -> cloud; index
     counts per direction from 0, the handshake included) and recording what it forwarded."""
 
     def __init__(self, port: int, transform=None):
-        self.target_port, self.transform = port, transform or (lambda d, i, b: b)
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
+        self.transform = transform or (lambda d, i, b: b)
         self.seen = {"up": [], "down": []}
-        self.threads = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self):
-        client, _ = self.listener.accept()
-        server = socket.create_connection(("127.0.0.1", self.target_port))
-        for src, dst, d in ((client, server, "up"), (server, client, "down")):
-            t = threading.Thread(target=self._pump, args=(src, dst, d), daemon=True)
-            t.start()
-            self.threads.append(t)
+        super().__init__(port)
 
     def _pump(self, src, dst, d):
         try:

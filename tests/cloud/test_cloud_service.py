@@ -22,7 +22,7 @@ from edgefuse.cloud.service import CloudService, start_service_process, stop_ser
 from edgefuse.cloud.target import Target, tokenizer_fingerprint
 from edgefuse.models import load_model, tiny_model
 from edgefuse.transport.crypto import FRAME_OVERHEAD
-from tests.cloud.conftest import RawClient, device_keys, service_keys, wait_for
+from tests.cloud.conftest import RawClient, TcpRelay, device_keys, service_keys, wait_for
 from edgefuse.transport.wan import WanProfile
 
 NAME = "tiny-qwen2"
@@ -402,25 +402,12 @@ def test_stop_mid_request_raises_cloud_unavailable(make_service, tiny):
 
 # ---------------------------------------------------------------- byte accounting, WAN
 
-class Relay:
+class Relay(TcpRelay):
     """A TCP relay between a client and ``port`` that counts the bytes each way."""
 
     def __init__(self, port: int):
-        self.target_port = port
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
         self.up = self.down = 0
-        self.threads = []
-        self.accepted = threading.Thread(target=self._accept, daemon=True)
-        self.accepted.start()
-
-    def _accept(self):
-        client, _ = self.listener.accept()
-        server = socket.create_connection(("127.0.0.1", self.target_port))
-        for src, dst, attr in ((client, server, "up"), (server, client, "down")):
-            t = threading.Thread(target=self._pump, args=(src, dst, attr), daemon=True)
-            t.start()
-            self.threads.append(t)
+        super().__init__(port)
 
     def _pump(self, src, dst, attr):
         try:
@@ -437,12 +424,6 @@ class Relay:
                 dst.shutdown(socket.SHUT_WR)
             except OSError:
                 pass
-
-    def join(self, timeout_s=5.0):
-        self.accepted.join(timeout_s)
-        for t in self.threads:
-            t.join(timeout_s)
-        self.listener.close()
 
 
 def test_byte_accounting_equals_bytes_on_the_socket(make_service, tiny):

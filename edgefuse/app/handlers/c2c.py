@@ -160,6 +160,15 @@ def _session_id(conf, key: str = "session_id") -> bytes:
         raise HandshakeError(f"{key} {sid[:16]!r}… is not hex") from None
 
 
+def _tags(context: Context, record: str) -> list[str]:
+    """The exchange tags ``record`` (:data:`SEALED_RECORD` / :data:`OPENED_RECORD`) holds."""
+    return list(context.state[record]["tags"]) if record in context.state.config_records else []
+
+
+def _remember(context: Context, record: str, tag: str) -> None:
+    context.state[record] = ConfigRecord({"tags": _tags(context, record) + [tag]})
+
+
 def _session(context: Context, conf):
     """Sharer: the session this node seals under for ``conf``'s peer (``peer_name``,
     ``peer_identity_key``, ``peer_public_key`` = its prekey, ``peer_prekey_signature``) and
@@ -180,13 +189,12 @@ def _session(context: Context, conf):
                       _bytes(conf, "peer_public_key"), _bytes(conf, "peer_prekey_signature"))
     sid = _session_id(conf)
     tag = f"{peer.name}:{peer.prekey.hex()}:{sid.hex()}"
-    used = list(context.state[SEALED_RECORD]["tags"]) if SEALED_RECORD in context.state.config_records else []
-    if tag in used:
+    if tag in _tags(context, SEALED_RECORD):
         raise SessionReuseError(f"session {sid.hex()[:8]}… was already used to seal payloads for "
                                 f"{peer.name}; refusing to reuse it")
     session, handshake = seal_for(home.identity(), own_name(context), home.trust(), peer, sid,
                                   context.run_id)
-    context.state[SEALED_RECORD] = ConfigRecord({"tags": used + [tag]})
+    _remember(context, SEALED_RECORD, tag)
     return session, handshake
 
 
@@ -210,12 +218,11 @@ def _opened(context: Context, conf, sfx: str = ""):
                         sharer, _bytes(conf, f"peer_identity_key{sfx}"), handshake,
                         _session_id(conf, f"session_id{sfx}"))
     tag = f"{sharer}:{handshake.ephemeral.hex()}"
-    opened = list(context.state[OPENED_RECORD]["tags"]) if OPENED_RECORD in context.state.config_records else []
-    if tag in opened:
+    if tag in _tags(context, OPENED_RECORD):
         raise ReplayedExchangeError(f"{sharer!r}: the exchange under ephemeral key "
                                     f"{fingerprint(handshake.ephemeral)} was already opened here: "
                                     "refusing a replay")
-    context.state[OPENED_RECORD] = ConfigRecord({"tags": opened + [tag]})
+    _remember(context, OPENED_RECORD, tag)
     return session
 
 
