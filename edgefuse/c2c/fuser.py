@@ -53,6 +53,9 @@ from edgefuse.c2c.layer_map import STRATEGIES, layer_mapping
 from edgefuse.kvcache import copy_cache, fused_forward  # noqa: F401  (part of this module's API)
 
 
+SHARER_CONTROLS = ("none", "zero", "shuffled")
+
+
 @dataclass
 class FuserConfig:
     """Hyper-parameters of a :class:`C2CFuser` (the weights live elsewhere).
@@ -72,6 +75,12 @@ class FuserConfig:
             Off by default: on SmolLM2 ← Qwen2.5-0.5B (60 steps) it made no measurable
             difference (bench/bench_fuser_pair.py; held-out 2.951 without it in
             bench/results/bench_fuser_pair.json, the run with it kept no JSON).
+        sharer_control: what the fuser is fed in place of the sharer's own cache
+            (:data:`SHARER_CONTROLS`, :func:`control_sharer`): ``none`` (the real sharer), ``zero``
+            (an all-zero cache: any gain is the fuser's own capacity, a learned prefix) or
+            ``shuffled`` (another prompt's sharer cache: real sharer statistics without this
+            prompt's information). A control fuser is trained and served like a real one;
+            the setting is part of its config hash, so it is its own registry version.
     """
 
     bottleneck: int = 64
@@ -81,6 +90,7 @@ class FuserConfig:
     init_temperature: float = 1.0
     min_temperature: float = 0.1
     input_norm: bool = False
+    sharer_control: str = "none"
 
     def __post_init__(self):
         if self.bottleneck < 1:
@@ -89,6 +99,9 @@ class FuserConfig:
             raise ValueError(f"unknown layer_mapping {self.layer_mapping!r}: use one of {', '.join(STRATEGIES)}")
         if self.reduction not in REDUCTIONS:
             raise ValueError(f"unknown reduction {self.reduction!r}: use one of {', '.join(REDUCTIONS)}")
+        if self.sharer_control not in SHARER_CONTROLS:
+            raise ValueError(f"unknown sharer_control {self.sharer_control!r}: use one of "
+                             f"{', '.join(SHARER_CONTROLS)}")
         if not 0 < self.min_temperature <= self.init_temperature:
             raise ValueError("temperatures must satisfy 0 < min_temperature <= init_temperature, got "
                              f"min={self.min_temperature}, init={self.init_temperature}")
@@ -365,6 +378,40 @@ class C2CFuser(nn.Module):
         return fused
 
 
+def control_sharer(control: str, sharer_cache: DynamicCache, mapping: list[list[int]],
+                   partner_cache: DynamicCache | None = None) -> tuple[DynamicCache, list[list[int]]]:
+    """The sharer input of a control fuser (:attr:`FuserConfig.sharer_control`).
+
+    Args:
+        control: ``none`` (returned unchanged), ``zero`` (a cache of the same shapes, all
+            zeros, with the same mapping) or ``shuffled`` (``partner_cache``, the sharer's
+            cache of *another* prompt, with the mapping rescaled onto its length:
+            sharer index ``j`` of a ``Ts``-token prompt becomes ``floor(j * Ts' / Ts)``).
+        sharer_cache: this prompt's sharer cache (``Ts`` tokens).
+        mapping: this prompt's alignment (:mod:`edgefuse.c2c.align`).
+        partner_cache: required for ``shuffled``.
+
+    Returns:
+        ``(cache, mapping)`` to pass to :class:`C2CFuser`.
+
+    Raises:
+        ValueError: an unknown control, or ``shuffled`` without a partner cache.
+    """
+    if control == "none":
+        return sharer_cache, mapping
+    if control == "zero":
+        zero = copy_cache(sharer_cache)
+        for layer in zero.layers:
+            layer.keys, layer.values = torch.zeros_like(layer.keys), torch.zeros_like(layer.values)
+        return zero, mapping
+    if control == "shuffled":
+        if partner_cache is None:
+            raise ValueError("the shuffled-sharer control needs another prompt's sharer cache")
+        ts, tp = sharer_cache.get_seq_length(), partner_cache.get_seq_length()
+        return partner_cache, [sorted({j * tp // ts for j in m}) for m in mapping]
+    raise ValueError(f"unknown sharer_control {control!r}: use one of {', '.join(SHARER_CONTROLS)}")
+
+
 def fuser_size(receiver: KVSpec, sharer: KVSpec, config: FuserConfig | None = None) -> int:
     """Parameter count of the :class:`C2CFuser` for a pair, without building it."""
     config = config or FuserConfig()
@@ -414,7 +461,7 @@ def format_size_table(rows: list[dict]) -> str:
 
 
 __all__ = [
-    "FuserConfig", "KVSpec", "kv_spec_from_config", "kv_spec_from_cache", "copy_cache",
+    "SHARER_CONTROLS", "control_sharer", "FuserConfig", "KVSpec", "kv_spec_from_config", "kv_spec_from_cache", "copy_cache",
     "LayerFuser", "C2CFuser", "fused_forward", "fuser_size", "fuser_size_table",
     "format_size_table", "REAL_SPECS",
 ]
