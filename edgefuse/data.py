@@ -130,6 +130,53 @@ def load_dolly(data_cfg):
     return _CACHE[key]
 
 
+GSM8K_HUB_ID = "openai/gsm8k"  # hub id (config ``main``) when there is no mirror
+GSM8K_SPLITS = ("train", "test")
+
+
+def load_gsm8k_split(data_cfg, split: str):
+    """One GSM8K split, whole: ``<data.mirror>/gsm8k/<split>.jsonl`` when ``data.mirror`` is a
+    folder (no network), else the hub dataset :data:`GSM8K_HUB_ID` (config ``main``). Cached
+    per process like :func:`load_dolly`.
+
+    Returns:
+        ``datasets.Dataset`` with columns question, answer (7,473 train / 1,319 test rows).
+
+    Raises:
+        ValueError: ``split`` not in :data:`GSM8K_SPLITS`.
+        FileNotFoundError: a mirror is set but has no ``gsm8k/<split>.jsonl`` (names
+            ``data.mirror``).
+        RuntimeError: no mirror, and the hub could not be reached.
+    """
+    import datasets
+
+    if split not in GSM8K_SPLITS:
+        raise ValueError(f"unknown GSM8K split {split!r}: use one of {', '.join(GSM8K_SPLITS)}")
+    folder = mirror_dir(data_cfg.get("mirror"))
+    if folder is not None:
+        path = (folder / "gsm8k" / f"{split}.jsonl").resolve()
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"GSM8K mirror file not found: {path} (data.mirror={str(data_cfg.get('mirror'))!r}). "
+                f"Point data.mirror (or env EDGEFUSE_DATA_MIRROR) at the folder holding "
+                f"gsm8k/{split}.jsonl, or set data.mirror={HUB} to download {GSM8K_HUB_ID!r}.")
+        key = str(path)
+        if key not in _CACHE:
+            _CACHE[key] = datasets.load_dataset("json", data_files=key, split="train")
+        return _CACHE[key]
+    key = f"hub:{GSM8K_HUB_ID}:{split}"
+    if key not in _CACHE:
+        try:
+            _CACHE[key] = datasets.load_dataset(GSM8K_HUB_ID, "main", split=split)
+        except Exception as e:  # offline, hub errors: many types
+            raise RuntimeError(
+                f"could not load {GSM8K_HUB_ID!r} (split {split!r}) from the hub ({type(e).__name__}: "
+                f"{' '.join(str(e).split())[:300]}); offline, point data.mirror or env "
+                f"EDGEFUSE_DATA_MIRROR at a data mirror holding gsm8k/{split}.jsonl "
+                f"(e.g. ../shared/data)") from e
+    return _CACHE[key]
+
+
 # ------------------------------------------------------------------------ partitioning
 
 def split_public(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:

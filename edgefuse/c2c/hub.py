@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from edgefuse.config import ConfigError, lora_targets, positive_int
-from edgefuse.eval.splits import PublicSlices, public_slices
+from edgefuse.eval.splits import PublicSlices, check_training_data, fuser_training_rows, public_slices
 from edgefuse.lora import attach_lora, set_adapter_state
 from edgefuse.models import load_model
 
@@ -111,6 +111,7 @@ def check_config(cfg) -> None:
                 "c2c.train.max_seq_len", "c2c.eval.max_new_tokens", "c2c.eval.max_prompt_tokens",
                 "c2c.eval.batch_queries"):
         positive_int(OmegaConf.select(cfg, key), key)
+    check_training_data(cfg)  # c2c.train.data, data.public_fraction, data.public_slices
     slices = (cfg.get("data") or {}).get("public_slices") or {}
     if slices.get("fuser_train") != c2c.train.examples:
         raise ConfigError(f"c2c.train.examples={c2c.train.examples} but data.public_slices.fuser_train="
@@ -179,11 +180,14 @@ class FuserService:
         self.rows: list[dict] = []
 
     def public(self, name: str) -> list[dict]:
-        """The rows of public slice ``name`` (``fuser_train`` or ``fuser_val``), loaded once."""
+        """The rows of public slice ``name``, loaded once: ``fuser_train`` is every source of
+        ``c2c.train.data`` (:func:`edgefuse.eval.splits.fuser_training_rows`), ``fuser_val``
+        the slice."""
         if name not in self._rows:
             if self._slices is None:
                 self._slices = public_slices(self.cfg.data, int(self.cfg.seed))
-            self._rows[name] = self._slices.rows(name)
+            self._rows[name] = (fuser_training_rows(self.cfg, int(self.cfg.seed), slices=self._slices)
+                                if name == "fuser_train" else self._slices.rows(name))
         return self._rows[name]
 
     def version(self, sharer: Side, receiver: Side) -> FuserVersion:

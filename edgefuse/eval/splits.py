@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgefuse.data import DATASETS, load_dolly, split_public
+from edgefuse.config import ConfigError
+from edgefuse.data import DATASETS, load_dolly, load_gsm8k_split, mirror_dir, split_public
 
 SLICES = ("fuser_train", "fuser_val", "eval", "attack_train", "draft_corpus")
 
@@ -57,6 +58,9 @@ class PublicSlices:
         sizes: the sizes the slices were cut with.
         categories: every category of the dataset, sorted (the ``eval`` slice holds
             ``sizes.eval_per_category`` rows of each).
+        spare: every row left after ``attack_train`` whose instruction no earlier slice
+            holds (``draft_corpus`` is its prefix); not one of :data:`SLICES`: the
+            ``dolly_public`` training source (:func:`fuser_training_rows`) goes on into it.
     """
 
     dataset: object
@@ -67,6 +71,7 @@ class PublicSlices:
     eval: np.ndarray
     attack_train: np.ndarray
     draft_corpus: np.ndarray
+    spare: np.ndarray
 
     def indices(self, name: str) -> np.ndarray:
         """The dataset row indices of slice ``name`` (one of :data:`SLICES`).
@@ -190,12 +195,264 @@ def public_slices(data_cfg, seed: int) -> PublicSlices:
     taken.update(text_of[i] for i in eval_rows.tolist())
     left = np.delete(left, eval_pos)
     attack = take("attack_train", sizes.attack_train)
+    spare = fresh()
     draft = take("draft_corpus", sizes.draft_corpus)
     as_rows = lambda x: np.asarray(x, dtype=np.int64)  # noqa: E731
     return PublicSlices(dataset=ds, sizes=sizes, categories=categories,
                         fuser_train=as_rows(fuser_train), fuser_val=as_rows(fuser_val),
                         eval=as_rows(eval_rows), attack_train=as_rows(attack),
-                        draft_corpus=as_rows(draft))
+                        draft_corpus=as_rows(draft), spare=as_rows(spare))
 
 
-__all__ = ["SLICES", "SliceSizes", "PublicSlices", "slice_sizes", "public_slices"]
+# ------------------------------------------------------------ fuser training data
+
+TRAIN_SOURCES = ("dolly_public", "gsm8k_train")
+HELDOUT_SOURCES = ("dolly_eval", "gsm8k_test")
+COUNTERPART = {"dolly_public": "dolly_eval", "gsm8k_train": "gsm8k_test"}  # train -> held out
+ALL = "all"  # a source's n: every row it has
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """One entry of ``c2c.train.data``: a named source and how many of its rows (``n=None``:
+    every row, written ``n: all``)."""
+
+    source: str
+    n: int | None
+
+
+def _count(value, where: str, allow_zero: bool = True) -> int | None:
+    if isinstance(value, str) and value == ALL or value is None and not allow_zero:
+        return None
+    low = 0 if allow_zero else 1
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise ConfigError(f"{where} must be an integer >= {low} or {ALL!r}, got {value!r}")
+    return int(value)
+
+
+def training_data_spec(cfg) -> list[SourceSpec]:
+    """The fuser training sources of ``cfg.c2c.train.data`` (no data loaded).
+
+    ``c2c.train.data`` is a list of ``{source: <name>, n: <int >= 0 | all>}``, each name one of
+    :data:`TRAIN_SOURCES` at most once; absent, it is ``[{source: dolly_public, n:
+    data.public_slices.fuser_train}]`` (the fuser_train slice, as before the sources existed).
+
+    Raises:
+        ConfigError: not a non-empty list, an entry that is not ``{source, n}``, an unknown
+            source (the message names the valid ones), a source twice, an ``n`` that is not an
+            integer >= 0 or ``all``, or every ``n`` zero.
+    """
+    c2c = cfg.get("c2c") or {}
+    train = c2c.get("train") or {}
+    data = train.get("data") if hasattr(train, "get") else None
+    if data is None:
+        return [SourceSpec("dolly_public", slice_sizes(cfg["data"]).fuser_train)]
+    if isinstance(data, (str, bytes)) or not hasattr(data, "__len__") or hasattr(data, "keys") \
+            or len(data) == 0:
+        raise ConfigError(f"c2c.train.data must be a non-empty list of {{source, n}} (sources: "
+                          f"{', '.join(TRAIN_SOURCES)}), got {data!r}")
+    specs: list[SourceSpec] = []
+    for i, item in enumerate(data):
+        where = f"c2c.train.data[{i}]"
+        keys = set(item.keys()) if hasattr(item, "keys") else None
+        if keys != {"source", "n"}:
+            raise ConfigError(f"{where} must be {{source: <name>, n: <int >= 0 | all>}}, got {item!r}")
+        name = item["source"]
+        if name not in TRAIN_SOURCES:
+            raise ConfigError(f"{where}.source={name!r} is not a fuser training source: use one of "
+                              f"{', '.join(TRAIN_SOURCES)}")
+        if any(s.source == name for s in specs):
+            raise ConfigError(f"{where}: source {name!r} is listed twice; give it once with its n")
+        specs.append(SourceSpec(str(name), _count(item["n"], f"{where}.n")))
+    if all(s.n == 0 for s in specs):
+        raise ConfigError("c2c.train.data asks for 0 rows in all: give some source an n >= 1")
+    return specs
+
+
+def _dolly_pool(sl: PublicSlices) -> list[dict]:
+    """``dolly_public``: the fuser_train slice, then the spare rows (distinct instructions)."""
+    seen = {_norm(sl.dataset[int(i)]["instruction"]) for i in sl.fuser_train.tolist()}
+    tail = []
+    for i, text in zip(sl.spare.tolist(), sl.dataset.select(sl.spare.tolist())["instruction"][:]
+                       if len(sl.spare) else []):
+        if _norm(text) not in seen:
+            seen.add(_norm(text))
+            tail.append(i)
+    idx = sl.fuser_train.tolist() + tail
+    return [dict(r, source="dolly_public", row=i)
+            for i, r in zip(idx, sl.dataset.select(idx))] if idx else []
+
+
+def _qnorm(text: str) -> str:
+    """A GSM8K question for comparison: case-folded, whitespace collapsed."""
+    return " ".join(str(text).casefold().split())
+
+
+def _gsm8k_rows(ds, order, source: str) -> list[dict]:
+    return [{"instruction": ds[i]["question"].strip(), "context": "",
+             "response": ds[i]["answer"].strip(), "category": "gsm8k", "source": source, "row": i}
+            for i in order]
+
+
+def _gsm8k_train_pool(data_cfg, seed: int) -> list[dict]:
+    """``gsm8k_train``: the train split in a ``seed`` permutation, without a question the test
+    split (or an earlier train row) holds after :func:`_qnorm`."""
+    train, test = load_gsm8k_split(data_cfg, "train"), load_gsm8k_split(data_cfg, "test")
+    seen = set(map(_qnorm, test["question"][:]))
+    questions = train["question"][:]
+    order = []
+    for i in np.random.default_rng(seed).permutation(len(train)).tolist():
+        q = _qnorm(questions[i])
+        if q not in seen:
+            seen.add(q)
+            order.append(i)
+    return _gsm8k_rows(train, order, "gsm8k_train")
+
+
+def _take(pool: list[dict], n: int | None, what: str, hint: str) -> list[dict]:
+    if n is not None and n > len(pool):
+        raise ConfigError(f"{what} asks for n={n} rows, {len(pool)} are available: use n <= "
+                          f"{len(pool)} or n: {ALL}{hint}")
+    return pool if n is None else pool[:n]
+
+
+def fuser_training_rows(cfg, seed: int, *, slices: PublicSlices | None = None) -> list[dict]:
+    """The rows the C2C fusers train on: the sources of ``cfg.c2c.train.data``, interleaved.
+
+    Sources (every one disjoint from every evaluation set by construction):
+
+    * ``dolly_public``: public Dolly rows (held by no client), in this order: the
+      ``fuser_train`` slice, then the slices' spare rows (after ``attack_train``; the draft
+      head's token counts use them too, no evaluation does), without a repeated instruction.
+      Never a ``fuser_val``, ``eval`` or ``attack_train`` row or instruction. ``n <=
+      data.public_slices.fuser_train`` takes a prefix of the slice, so the evaluation rows do
+      not move with ``n``; ``n: all`` every such row (1,210 at ``public_fraction=0.1``).
+    * ``gsm8k_train``: the GSM8K train split (question -> instruction, answer with its
+      worked solution -> response, category ``gsm8k``, no context) in a ``seed`` permutation,
+      without a question equal to a test question (case-folded, whitespace collapsed):
+      GSM8K is evaluated on its test split.
+
+    Each source gives its first ``n`` rows (``n: all``: every row), so a smaller ``n`` is a
+    prefix of a larger. Several sources are interleaved by a ``seed`` permutation that keeps
+    each source's order; one source is its own order. Deterministic for ``(cfg, seed)``.
+
+    Args:
+        cfg: the run config (``cfg.data``, ``cfg.c2c.train.data``; see
+            :func:`training_data_spec`).
+        seed: the run's seed (``cfg.seed``): it cuts the public split and orders the rows.
+        slices: :func:`public_slices` of ``(cfg.data, seed)`` when the caller has it.
+
+    Returns:
+        One dict per row: instruction, context, response, category (the Dolly row shape),
+        ``source`` (the source name) and ``row`` (its row in the source's dataset file).
+        The default config gives exactly the ``fuser_train`` slice's rows, in its order.
+
+    Raises:
+        ConfigError: a bad ``c2c.train.data`` (:func:`training_data_spec`), or an ``n`` above
+            what its source holds (the message gives the count).
+        ValueError: see :func:`public_slices`. FileNotFoundError, RuntimeError: a missing
+            mirror file or an unreachable hub (:mod:`edgefuse.data`).
+    """
+    specs = training_data_spec(cfg)
+    parts = []
+    for spec in specs:
+        if spec.n == 0:
+            continue
+        if spec.source == "dolly_public":
+            sl = slices if slices is not None else public_slices(cfg["data"], seed)
+            pool = _dolly_pool(sl)
+            hint = (f" (the public split's fuser_train slice and spare rows; raise "
+                    f"data.public_fraction={cfg['data']['public_fraction']} for more)")
+        else:
+            pool, hint = _gsm8k_train_pool(cfg["data"], seed), ""
+        parts.append(_take(pool, spec.n, f"c2c.train.data source {spec.source}", hint))
+    if len(parts) == 1:
+        return list(parts[0])
+    labels = np.repeat(np.arange(len(parts)), [len(p) for p in parts])
+    labels = np.random.default_rng([seed, 14]).permutation(labels)
+    nxt = [iter(p) for p in parts]
+    return [next(nxt[k]) for k in labels.tolist()]
+
+
+def heldout_rows(cfg, source: str, n: int | str | None, seed: int) -> list[dict]:
+    """Held-out rows for evaluation losses, disjoint from every :func:`fuser_training_rows`.
+
+    Sources (a training source's name gives its counterpart, :data:`COUNTERPART`):
+
+    * ``dolly_eval`` (or ``dolly_public``): the public split's ``eval`` slice, the C2C and
+      cloud evaluation pool (``data.public_slices.eval_per_category`` rows of each category),
+      ordered round-robin over the sorted categories (a category's rows by dataset row), so
+      any prefix is balanced across categories.
+    * ``gsm8k_test`` (or ``gsm8k_train``): the GSM8K test split in the ``seed`` permutation
+      that :func:`edgefuse.eval.queries.load_gsm8k` draws from (the first ``n`` are its
+      questions), the answer with its worked solution as the response.
+
+    Args:
+        cfg: the run config (``cfg.data``).
+        source: a name of :data:`HELDOUT_SOURCES` or :data:`TRAIN_SOURCES`.
+        n: rows wanted (``None`` or ``"all"``: every row of the source).
+        seed: the run's seed (cuts the public split, draws the GSM8K rows).
+
+    Returns:
+        The rows, in the shape of :func:`fuser_training_rows` with ``source`` the held-out
+        name.
+
+    Raises:
+        ConfigError: an unknown source (the message names the valid ones), an ``n`` that is
+            not an integer >= 1 or ``all``, or more than the source holds (with its count).
+    """
+    name = COUNTERPART.get(source, source)
+    if name not in HELDOUT_SOURCES:
+        raise ConfigError(f"unknown held-out source {source!r}: use one of "
+                          f"{', '.join(HELDOUT_SOURCES + TRAIN_SOURCES)}")
+    n = _count(n, f"held-out {name} n", allow_zero=False)
+    if name == "dolly_eval":
+        sl = public_slices(cfg["data"], seed)
+        cats = np.asarray(sl.dataset.select(sl.eval.tolist())["category"][:]) if len(sl.eval) else []
+        per = [sl.eval[np.asarray(cats) == c].tolist() for c in sl.categories]
+        order = [ids[k] for k in range(max(map(len, per), default=0)) for ids in per if k < len(ids)]
+        pool = [dict(r, source=name, row=i) for i, r in zip(order, sl.dataset.select(order))]
+        hint = " (raise data.public_slices.eval_per_category for more)"
+    else:
+        test = load_gsm8k_split(cfg["data"], "test")
+        pool = _gsm8k_rows(test, np.random.default_rng(seed).permutation(len(test)).tolist(), name)
+        hint = ""
+    return _take(pool, n, f"held-out {name}", hint)
+
+
+def check_training_data(cfg) -> None:
+    """Compose-time check of the fuser training data and the public split's size.
+
+    Checks ``data.public_fraction`` (a number in [0, 1)), ``data.public_slices``
+    (:func:`slice_sizes`) and ``c2c.train.data`` (:func:`training_data_spec`). Where a size
+    depends on the data (``n: all``, a GSM8K ``n``, a ``dolly_public`` ``n`` above the
+    fuser_train slice) and the data is in a local mirror, draws the rows to check it; from the
+    hub, that check waits for the training. The default config loads nothing.
+
+    Raises:
+        ConfigError: any bad value above, or an ``n`` above what its source holds.
+    """
+    data = cfg["data"]
+    frac = data.get("public_fraction")
+    if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 <= frac < 1:
+        raise ConfigError(f"data.public_fraction (the share of the dataset no client holds, the "
+                          f"public split) must be a number in [0, 1), got {frac!r}")
+    try:
+        sizes = slice_sizes(data)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    specs = training_data_spec(cfg)
+    needs_data = any(s.n is None or s.source != "dolly_public" or s.n > sizes.fuser_train
+                     for s in specs)
+    if needs_data and mirror_dir(data.get("mirror")) is not None:
+        try:
+            fuser_training_rows(cfg, int(cfg["seed"]))
+        except ConfigError:
+            raise
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
+__all__ = ["SLICES", "SliceSizes", "PublicSlices", "slice_sizes", "public_slices",
+           "TRAIN_SOURCES", "HELDOUT_SOURCES", "COUNTERPART", "SourceSpec", "training_data_spec",
+           "fuser_training_rows", "heldout_rows", "check_training_data"]
