@@ -68,18 +68,25 @@ from edgefuse.io import atomic_write_dir
 from edgefuse.aggregation import module_shapes, split_key
 
 __all__ = [
-    "FORMAT_VERSION", "PACK_PART", "FuserCard", "FuserIntegrityError", "FuserRegistry",
-    "FuserVersion", "FuserVersionError", "ModelVersion", "adapter_change", "adapter_hash",
-    "check_received", "config_hash", "needs_retrain", "pack_state", "state_digest",
-    "unpack_state",
+    "ARCHIVE_MEMBERS", "FORMAT_VERSION", "MAX_WEIGHTS_BYTES", "PACK_PART", "FuserArchiveError",
+    "FuserCard", "FuserIntegrityError", "FuserRegistry", "FuserVersion", "FuserVersionError",
+    "ModelVersion", "adapter_change", "adapter_hash", "check_received", "config_hash",
+    "needs_retrain", "pack_state", "state_digest", "trained_on", "unpack_state",
 ]
 
-FORMAT_VERSION = 1       # of the saved folder; a card from a newer edgefuse is refused
+FORMAT_VERSION = 2       # of the saved folder; a card from a newer edgefuse is refused
+# Format history: 1 = the first cards; 2 adds ``trained_on`` (a format-1 card loads with it
+# empty). Every other field and the folder layout are unchanged.
 PACK_PART = "fuser"      # name of the one flat array pack_state returns
 WEIGHTS, CONFIG, CARD, LATEST = "fuser.safetensors", "config.json", "card.json", "latest"
 _ID = re.compile(r"^[0-9a-f]{16}$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _EPS = 1e-12
+ARCHIVE_MEMBERS = (CARD, CONFIG, WEIGHTS)  # the members of an exported fuser, in this order
+MAX_CARD_BYTES = 64 * 1024
+MAX_CONFIG_BYTES = 64 * 1024
+MAX_WEIGHTS_BYTES = 2 * 1024 ** 3  # default cap on an imported weights file (≈ 500 M params)
+_SAFETENSORS_SLACK = 16 * 1024      # header allowance above 4 bytes per parameter (+256 per tensor)
 
 
 class FuserVersionError(ValueError):
@@ -209,6 +216,10 @@ class FuserCard:
         weights_sha256: sha256 of ``fuser.safetensors`` at save time.
         state_sha256: :func:`state_digest` of the weights (checks a state received by wire).
         created: ISO-8601 UTC time of the save.
+        trained_on: where the weights were trained, as short strings: ``host``, ``device``
+            (``cpu``, ``cuda:0 (NVIDIA H200)``...), ``torch`` (version) and ``dtype`` (of the
+            weights while training; they are saved as float32). Filled by
+            :meth:`FuserRegistry.save` when empty; ``{}`` on a format-1 card.
         format_version: :data:`FORMAT_VERSION` of the writer.
     """
 
@@ -228,18 +239,20 @@ class FuserCard:
     weights_sha256: str = ""
     state_sha256: str = ""
     created: str = ""
+    trained_on: dict[str, str] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
 
     @classmethod
     def for_version(cls, version: FuserVersion, *, train_steps: int = 0, train_examples: int = 0,
-                    data: str = "", scores: dict | None = None) -> FuserCard:
+                    data: str = "", scores: dict | None = None,
+                    trained_on: dict[str, str] | None = None) -> FuserCard:
         return cls(sharer_spec=version.sharer.spec, sharer_adapter_hash=version.sharer.adapter_hash,
                    receiver_spec=version.receiver.spec,
                    receiver_adapter_hash=version.receiver.adapter_hash,
                    config_hash=version.config_hash, version_id=version.id,
                    pair=pair_name(version.sharer.spec, version.receiver.spec),
                    train_steps=train_steps, train_examples=train_examples, data=data,
-                   scores=dict(scores or {}))
+                   scores=dict(scores or {}), trained_on=dict(trained_on or {}))
 
     @property
     def version(self) -> FuserVersion:
@@ -262,7 +275,8 @@ class FuserCard:
     def from_dict(cls, d: dict) -> FuserCard:
         """Build and check a card: unknown or missing keys, a card from a newer format, or
         fields that disagree with each other (``version_id`` vs the version fields, ``pair``)
-        raise :class:`FuserIntegrityError`."""
+        raise :class:`FuserIntegrityError`, and so does a ``trained_on`` that is not at most
+        16 string entries of at most 200 characters each."""
         if not isinstance(d, dict):
             raise FuserIntegrityError(f"fuser card must be a JSON object, got {type(d).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
@@ -277,6 +291,7 @@ class FuserCard:
             version = card.version
         except (TypeError, ValueError) as e:
             raise FuserIntegrityError(f"malformed fuser card: {e}") from None
+        _check_trained_on(card.trained_on)
         if card.version_id != version.id:
             raise FuserIntegrityError(f"fuser card says version {card.version_id}, its version "
                                       f"fields give {version.id}: card edited or corrupted")
@@ -291,6 +306,30 @@ class FuserCard:
         except (TypeError, ValueError) as e:
             raise FuserIntegrityError(f"fuser card is not valid JSON: {e}") from None
         return cls.from_dict(d)
+
+
+def _check_trained_on(value) -> None:
+    if not (isinstance(value, dict) and len(value) <= 16
+            and all(isinstance(k, str) and isinstance(v, str) and 0 < len(k) <= 200
+                    and len(v) <= 200 for k, v in value.items())):
+        raise FuserIntegrityError("fuser card trained_on must map at most 16 names to strings "
+                                  "of at most 200 characters")
+
+
+def trained_on(fuser_or_state) -> dict[str, str]:
+    """Where ``fuser_or_state`` (a module or a state dict) lives now, for a card's
+    ``trained_on``: ``host``, ``device`` (with the GPU's name on CUDA), ``torch``, ``dtype``."""
+    import socket
+
+    tensors = (list(fuser_or_state.parameters()) if isinstance(fuser_or_state, torch.nn.Module)
+               else [torch.as_tensor(v) for v in fuser_or_state.values()])
+    device = tensors[0].device if tensors else torch.device("cpu")
+    name = str(device)
+    if device.type == "cuda":
+        name += f" ({torch.cuda.get_device_name(device)})"
+    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors}) or ["float32"]
+    return {"host": socket.gethostname()[:200], "device": name[:200],
+            "torch": torch.__version__[:200], "dtype": "+".join(dtypes)[:200]}
 
 
 def _safe_name(spec: str) -> str:
@@ -372,6 +411,8 @@ class FuserRegistry:
         if card.version != version or card.version_id != version.id:
             raise ValueError(f"the card is for version {card.version_id} "
                              f"({card.version}), not {version.id} ({version})")
+        where = card.trained_on or trained_on(fuser)
+        _check_trained_on(where)
         state = _float32_state(fuser)
         blob = st_save(state, metadata={"format": "pt", "edgefuse_fuser_version": version.id})
         params = sum(t.numel() for t in state.values())
@@ -379,7 +420,7 @@ class FuserRegistry:
             card, scores=dict(card.scores), params=params, bytes=4 * params,
             weights_sha256=hashlib.sha256(blob).hexdigest(), state_sha256=state_digest(state),
             created=card.created or datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            format_version=FORMAT_VERSION)
+            trained_on=dict(where), format_version=FORMAT_VERSION)
         card_json, config_json = card.to_json(), json.dumps(config, indent=2, sort_keys=True)
 
         out = self.path(version)
@@ -530,6 +571,203 @@ class FuserRegistry:
                     cards.append(self._read_card(folder))
         return sorted(cards, key=lambda c: (c.pair, c.created, c.version_id))
 
+    def find(self, version_id: str) -> FuserVersion:
+        """The version whose id is ``version_id``, from its card (only that card is read).
+
+        Raises:
+            FuserVersionError: not a 16-hex id, or no such version in the registry.
+            FuserIntegrityError: its card is corrupted.
+        """
+        if not isinstance(version_id, str) or not _ID.match(version_id):
+            raise FuserVersionError(f"{str(version_id)[:40]!r} is not a fuser version id "
+                                    "(16 hex characters)")
+        if self.root.is_dir():
+            for pair in sorted(self.root.iterdir()):
+                if not pair.name.startswith(".") and (pair / version_id).is_dir():
+                    return self._read_card(pair / version_id).version
+        raise FuserVersionError(f"no fuser version {version_id} in {self.root}")
+
+    # -- import / export ------------------------------------------------------------
+    def export(self, version: FuserVersion, path: str | os.PathLike) -> Path:
+        """Write ``version`` as one archive file at ``path`` (replaced atomically): a POSIX
+        ustar tar holding exactly ``card.json``, ``config.json`` and ``fuser.safetensors``,
+        the registry's own bytes (so an import is bit-identical). Every check of
+        :meth:`load_state` runs first: a corrupted version is never exported.
+
+        Returns the archive's path.
+
+        Raises:
+            FuserVersionError: ``version`` is not in the registry.
+            FuserIntegrityError: its files fail :meth:`load_state`'s checks.
+            OSError: ``path`` cannot be written (nothing is left half-written).
+        """
+        import io
+        import tarfile
+
+        from edgefuse.io import atomic_write_bytes
+
+        _, _, card = self.load_state(version)
+        folder = self.path(version)
+        files = {name: (folder / name).read_bytes() for name in ARCHIVE_MEMBERS}
+        if hashlib.sha256(files[WEIGHTS]).hexdigest() != card.weights_sha256:
+            raise FuserIntegrityError(f"{folder / WEIGHTS} changed while it was exported")
+        try:
+            mtime = int(datetime.fromisoformat(card.created).timestamp())
+        except (TypeError, ValueError):
+            mtime = 0
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+            for name in ARCHIVE_MEMBERS:
+                info = tarfile.TarInfo(name)
+                info.size, info.mode, info.mtime = len(files[name]), 0o644, max(mtime, 0)
+                tar.addfile(info, io.BytesIO(files[name]))
+        return atomic_write_bytes(path, buf.getvalue())
+
+    def import_(self, path: str | os.PathLike, *, kv_spec_of=None, cache_dir=None,
+                max_weights_bytes: int = MAX_WEIGHTS_BYTES, make_latest: bool = True) -> FuserVersion:
+        """Register the fuser version in the archive at ``path`` (written by :meth:`export`,
+        possibly on another machine) and return it. Everything is checked before anything is
+        written into the registry:
+
+        1. the archive: a regular file of bounded size, POSIX ustar with valid header
+           checksums, exactly the members ``card.json``, ``config.json`` and
+           ``fuser.safetensors`` as regular files (no links, folders, extension headers,
+           absolute or ``..`` names, duplicates or extras), each member's declared size under
+           its cap *before* it is read (:func:`read_fuser_archive`);
+        2. the card: a self-consistent registry card with a save record (sha256s, size,
+           creation time);
+        3. the config: hashes to the card's ``config_hash`` and is a valid
+           :class:`edgefuse.c2c.fuser.FuserConfig`;
+        4. the shapes: a :class:`edgefuse.c2c.fuser.C2CFuser` for the card's receiver and
+           sharer specs (their KV shapes from ``kv_spec_of``) and this config is
+           constructible (built on the meta device: no memory), its parameter count is the
+           card's, and the weights member is no larger than those parameters as float32
+           plus a small header allowance;
+        5. the weights: their sha256 is the card's, they parse as safetensors, every tensor
+           is float32 with exactly the reference fuser's names and shapes, all values are
+           finite, and the state digest is the card's (:func:`check_state`).
+
+        A version already in the registry with the same three files is a no-op (returns the
+        version, writes nothing); with different files the import is refused (a version is
+        never overwritten). The version folder is built in a hidden sibling and renamed into
+        place (a rename that fails if the folder appeared meanwhile); then, with
+        ``make_latest``, it becomes the pair's ``latest``.
+
+        Args:
+            path: the archive file.
+            kv_spec_of: ``spec -> KVSpec`` of a model spec (default: from the model's config,
+                :func:`edgefuse.models.model_config` under ``cache_dir``).
+            cache_dir: the model cache for the default ``kv_spec_of``.
+            max_weights_bytes: cap on the weights member, whatever the card says.
+            make_latest: point the pair's ``latest`` at the imported version.
+
+        Raises:
+            FuserArchiveError: the archive or its contents fail a check above (one line
+                naming the archive and the check).
+            FuserIntegrityError: the weights do not match the card's digest (as today).
+            FuserVersionError: another version with this id is already in the registry.
+        """
+        from .fuser import C2CFuser, FuserConfig, kv_spec_from_config
+
+        path = Path(path)
+        where = path.name
+        if kv_spec_of is None:
+            def kv_spec_of(spec):
+                from edgefuse.models import model_config
+
+                return kv_spec_from_config(model_config(spec, cache_dir))
+
+        with _ArchiveReader(path, max_weights_bytes) as archive:
+            card = _parse_card(archive.read(CARD), where)
+            config = _parse_json(archive.read(CONFIG), f"{where}: {CONFIG}")
+            if not isinstance(config, dict):
+                raise FuserArchiveError(f"{where}: {CONFIG} is not a JSON object")
+            try:
+                got = config_hash(config)
+            except ValueError as e:
+                raise FuserArchiveError(f"{where}: {CONFIG}: {e}") from None
+            if got != card.config_hash:
+                raise FuserArchiveError(f"{where}: {CONFIG} hashes to {got}, the card says "
+                                        f"{card.config_hash}: config altered")
+            try:
+                fcfg = FuserConfig.from_dict(config)
+            except (TypeError, ValueError) as e:
+                raise FuserArchiveError(f"{where}: {CONFIG} is not a fuser config: "
+                                        f"{_line(e)}") from None
+            kv = {}
+            for side, spec in (("receiver", card.receiver_spec), ("sharer", card.sharer_spec)):
+                try:
+                    kv[side] = kv_spec_of(spec)
+                except Exception as e:  # unknown spec, unfetched model, odd config
+                    raise FuserArchiveError(f"{where}: cannot get the KV shapes of the {side} "
+                                            f"model {spec!r}: {_line(e)}") from None
+            try:
+                with torch.device("meta"):  # shapes only: nothing allocated
+                    ref = C2CFuser(kv["receiver"], kv["sharer"], fcfg)
+            except Exception as e:
+                raise FuserArchiveError(f"{where}: no fuser can be built for {card.sharer_spec!r}"
+                                        f" -> {card.receiver_spec!r} with this config: "
+                                        f"{_line(e)}") from None
+            shapes = {k: tuple(v.shape) for k, v in ref.state_dict().items()}
+            params = sum(math.prod(s) for s in shapes.values())
+            if card.params != params or card.bytes != 4 * params:
+                raise FuserArchiveError(f"{where}: the card says {card.params} parameters "
+                                        f"({card.bytes} bytes), a fuser of this pair and config "
+                                        f"has {params} ({4 * params} bytes)")
+            cap = min(max_weights_bytes, 4 * params + _SAFETENSORS_SLACK + 256 * len(shapes))
+            blob = archive.read(WEIGHTS, cap=cap)
+            config_bytes, card_bytes = archive.read(CONFIG), archive.read(CARD)
+        sha = hashlib.sha256(blob).hexdigest()
+        if sha != card.weights_sha256:
+            raise FuserIntegrityError(f"{where}: {WEIGHTS} has sha256 {sha[:16]}..., the card "
+                                      f"recorded {card.weights_sha256[:16]}...: the weights are "
+                                      "corrupted or tampered with; refusing to import")
+        try:
+            state = st_load(blob)
+        except Exception as e:  # safetensors raises its own error types
+            raise FuserArchiveError(f"{where}: {WEIGHTS} is not a valid safetensors file: "
+                                    f"{_line(e)}") from None
+        _check_reference(state, shapes, where)
+        check_state(state, card)
+
+        version = card.version
+        out = self.path(version)
+        files = {CARD: card_bytes, CONFIG: config_bytes, WEIGHTS: blob}
+        if out.exists():
+            return self._same_or_refuse(out, files, version, where)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{version.id}.import-", dir=out.parent))
+        try:
+            for name, data in files.items():
+                _write(tmp / name, data)
+            _fsync_dir(tmp)
+            os.rename(tmp, out)  # fails if a non-empty version folder appeared meanwhile
+        except OSError:
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+            if out.exists():
+                return self._same_or_refuse(out, files, version, where)
+            raise
+        _fsync_dir(out.parent)
+        if make_latest:
+            self._set_latest(out.parent, version.id)
+        return version
+
+    @staticmethod
+    def _same_or_refuse(out: Path, files: dict[str, bytes], version: FuserVersion,
+                        where: str) -> FuserVersion:
+        for name, data in files.items():
+            try:
+                same = (out / name).read_bytes() == data
+            except OSError:
+                same = False
+            if not same:
+                raise FuserVersionError(f"{where}: version {version.id} is already in the "
+                                        f"registry ({out}) with a different {name}; a version is "
+                                        "never overwritten (remove that folder to replace it)")
+        return version
+
 
 def check_state(state: dict, card: FuserCard) -> None:
     """Check a loaded or received fuser state against its card (digest and parameter count).
@@ -575,6 +813,183 @@ def check_received(card: FuserCard, state: dict, config: dict, sharer_spec: str)
         raise FuserIntegrityError(f"fuser {card.version_id}: its config hashes to {got}, the "
                                   f"card says {card.config_hash}: config altered; refusing it")
     check_state(state, card)
+
+
+# ------------------------------------------------------------------------- archives
+
+_BLOCK = 512
+_OCTAL = re.compile(rb"^[0-7]+$")
+_TAR_TYPES = {b"1": "a hard link", b"2": "a symbolic link", b"3": "a character device",
+              b"4": "a block device", b"5": "a folder", b"6": "a FIFO", b"7": "a contiguous file",
+              b"x": "a pax extended header", b"g": "a pax global header",
+              b"L": "a GNU long name", b"K": "a GNU long link name"}
+
+
+class FuserArchiveError(FuserIntegrityError):
+    """An archive handed to :meth:`FuserRegistry.import_` that is malformed, oversized, or
+    whose contents fail a check; nothing was written."""
+
+
+def _line(e: BaseException) -> str:
+    return " ".join(str(e).split())[:300]
+
+
+def _parse_json(data: bytes, what: str):
+    try:
+        return json.loads(data.decode("utf-8"),
+                          parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise FuserArchiveError(f"{what} is not strict UTF-8 JSON: {_line(e)}") from None
+
+
+def _parse_card(data: bytes, where: str) -> FuserCard:
+    d = _parse_json(data, f"{where}: {CARD}")
+    try:
+        card = FuserCard.from_dict(d)
+    except FuserIntegrityError as e:
+        raise FuserArchiveError(f"{where}: {_line(e)}") from None
+    if not (isinstance(card.weights_sha256, str) and _SHA256.match(card.weights_sha256)
+            and isinstance(card.state_sha256, str) and _SHA256.match(card.state_sha256)
+            and isinstance(card.params, int) and card.params > 0
+            and isinstance(card.bytes, int) and card.created):
+        raise FuserArchiveError(f"{where}: the card has no registry save record (sha256s, size, "
+                                "creation time): not an exported registry version")
+    return card
+
+
+def _check_reference(state: dict, shapes: dict[str, tuple], where: str) -> None:
+    """``state`` has exactly the reference names and shapes, float32, finite values."""
+    missing, extra = sorted(set(shapes) - set(state)), sorted(set(state) - set(shapes))
+    if missing or extra:
+        raise FuserArchiveError(f"{where}: the weights are not those of this pair's fuser: "
+                                f"missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
+                                f"unexpected {extra[:3]}{'...' if len(extra) > 3 else ''}")
+    for key in sorted(state):
+        t = state[key]
+        if t.dtype != torch.float32:
+            raise FuserArchiveError(f"{where}: weight {key!r} has dtype "
+                                    f"{str(t.dtype).removeprefix('torch.')}; a registry fuser is "
+                                    "float32")
+        if tuple(t.shape) != shapes[key]:
+            raise FuserArchiveError(f"{where}: weight {key!r} has shape {tuple(t.shape)}, this "
+                                    f"pair's fuser has {shapes[key]}")
+        if not bool(torch.isfinite(t).all()):
+            raise FuserArchiveError(f"{where}: weight {key!r} holds NaN or Inf values")
+
+
+class _ArchiveReader:
+    """A fuser archive opened for :meth:`FuserRegistry.import_`, its headers parsed by hand.
+
+    The archive is POSIX ustar (what :meth:`FuserRegistry.export` writes with
+    ``tarfile.USTAR_FORMAT``). Headers are parsed here rather than by ``tarfile`` so that
+    nothing but the 512-byte headers is read before each member's declared size has been
+    checked against its cap: an extension header (pax, GNU long name) that ``tarfile`` would
+    read into memory is refused, as is every non-regular member. Members are read with
+    :meth:`read` (seek + read of the declared size, never more).
+    """
+
+    def __init__(self, path: Path, max_weights_bytes: int):
+        self.path, self.where = path, path.name
+        self.caps = {CARD: MAX_CARD_BYTES, CONFIG: MAX_CONFIG_BYTES, WEIGHTS: int(max_weights_bytes)}
+        self.members: dict[str, tuple[int, int]] = {}
+        self.f = None
+
+    def __enter__(self):
+        import stat
+
+        try:
+            st = self.path.stat()
+        except OSError as e:
+            raise FuserArchiveError(f"cannot read the fuser archive {self.path}: "
+                                    f"{e.strerror or e}") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise FuserArchiveError(f"{self.path} is not a regular file")
+        limit = sum(self.caps.values()) + 3 * _BLOCK + 20 * 1024  # headers, padding, end blocks
+        if st.st_size > limit:
+            raise FuserArchiveError(f"{self.where}: the archive is {st.st_size} bytes, more than "
+                                    f"a fuser archive may be ({limit})")
+        self.size = st.st_size
+        try:
+            self.f = open(self.path, "rb")
+            self._scan()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        if self.f is not None:
+            self.f.close()
+            self.f = None
+
+    def _scan(self) -> None:
+        w, pos = self.where, 0
+        while True:
+            if pos + _BLOCK > self.size:
+                raise FuserArchiveError(f"{w}: truncated archive (no end-of-archive block)")
+            self.f.seek(pos)
+            hdr = self.f.read(_BLOCK)
+            if hdr == bytes(_BLOCK):
+                break
+            if hdr[257:265] != b"ustar\x0000":
+                raise FuserArchiveError(f"{w}: not a POSIX ustar archive (header at byte {pos})")
+            chk = hdr[148:156].rstrip(b"\x00 ")
+            if not _OCTAL.match(chk) or int(chk, 8) != sum(hdr[:148]) + 256 + sum(hdr[156:]):
+                raise FuserArchiveError(f"{w}: bad header checksum at byte {pos}")
+            try:
+                name = hdr[0:100].split(b"\x00", 1)[0].decode("ascii")
+                prefix = hdr[345:500].split(b"\x00", 1)[0].decode("ascii")
+            except UnicodeDecodeError:
+                raise FuserArchiveError(f"{w}: a member name is not ASCII") from None
+            name = f"{prefix}/{name}" if prefix else name
+            if name.startswith("/") or ".." in name.split("/"):
+                raise FuserArchiveError(f"{w}: member {name[:100]!r} is an absolute or parent "
+                                        "path (path traversal); refused")
+            kind = hdr[156:157]
+            if kind not in (b"0", b"\x00"):
+                what = _TAR_TYPES.get(kind, f"of type {kind!r}")
+                raise FuserArchiveError(f"{w}: member {name[:100]!r} is {what}, not a regular "
+                                        "file; refused")
+            if name not in self.caps:
+                raise FuserArchiveError(f"{w}: unexpected member {name[:100]!r}: a fuser archive "
+                                        f"holds exactly {', '.join(ARCHIVE_MEMBERS)}")
+            if name in self.members:
+                raise FuserArchiveError(f"{w}: member {name!r} appears twice")
+            raw = hdr[124:136].rstrip(b"\x00 ").lstrip(b" ")
+            if not _OCTAL.match(raw):
+                raise FuserArchiveError(f"{w}: member {name!r} has a malformed size field")
+            size = int(raw, 8)
+            if size > self.caps[name]:
+                raise FuserArchiveError(f"{w}: member {name!r} declares {size} bytes, more than "
+                                        f"the {self.caps[name]} allowed; refused before reading")
+            start = pos + _BLOCK
+            if start + size > self.size:
+                raise FuserArchiveError(f"{w}: member {name!r} is truncated")
+            self.members[name] = (start, size)
+            pos = start + -(-size // _BLOCK) * _BLOCK
+        missing = [n for n in ARCHIVE_MEMBERS if n not in self.members]
+        if missing:
+            raise FuserArchiveError(f"{w}: the archive lacks {', '.join(missing)}")
+        self.f.seek(pos)
+        while chunk := self.f.read(64 * 1024):  # bounded: the file size was capped
+            if chunk.strip(b"\x00"):
+                raise FuserArchiveError(f"{w}: data after the end-of-archive block")
+
+    def read(self, name: str, cap: int | None = None) -> bytes:
+        """The bytes of member ``name``; refused when its declared size exceeds ``cap``."""
+        start, size = self.members[name]
+        if cap is not None and size > cap:
+            raise FuserArchiveError(f"{self.where}: member {name!r} declares {size} bytes, more "
+                                    f"than the {cap} its card's fuser needs; refused before "
+                                    "reading")
+        self.f.seek(start)
+        data = self.f.read(size)
+        if len(data) != size:
+            raise FuserArchiveError(f"{self.where}: member {name!r} is truncated")
+        return data
 
 
 # ------------------------------------------------------------------------- wire packing

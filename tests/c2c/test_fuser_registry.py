@@ -95,7 +95,7 @@ def test_save_latest_load_for_round_trip(tmp_path, specs):
     assert (card.train_steps, card.train_examples, card.data) == (100, 64, "dolly public 64")
     assert card.scores == {"val_loss": 2.5, "base_val_loss": 3.0}
     assert card.params == fuser.num_parameters() and card.bytes == fuser.nbytes()
-    assert card.created and card.format_version == 1
+    assert card.created and card.format_version == 2 and card.trained_on["device"] == "cpu"
     assert json.loads((path / "card.json").read_text())["weights_sha256"] == card.weights_sha256
     assert reg.list() == [card]
 
