@@ -30,6 +30,22 @@ INFO, FUSERS, SHARE, REFINE, ANSWER, FORGET, DECODE, PRIVACY = (
 QUERY_KINDS = (INFO, FUSERS, SHARE, REFINE, ANSWER, FORGET, DECODE, PRIVACY)
 
 
+FUSER_CONTROLS = ("zero", "shuffled")  # control fusers a receiver may hold beside a pair's real one
+
+
+def fuser_key(sharer: str, control: str = "none") -> str:
+    """The record name of one fuser in ``query.fusers`` and in a receiver's state:
+    ``fuser.<sharer>`` for the pair's real fuser, ``fuser.<sharer>@<control>`` for its
+    zero- or shuffled-sharer control (:attr:`edgefuse.c2c.fuser.FuserConfig.sharer_control`);
+    its ``meta.`` entry takes the same suffix (:func:`fuser_meta_key`)."""
+    return f"fuser.{sharer}" if control == "none" else f"fuser.{sharer}@{control}"
+
+
+def fuser_meta_key(sharer: str, control: str = "none") -> str:
+    """``meta.<sharer>`` / ``meta.<sharer>@<control>``: the card, config and shapes of :func:`fuser_key`."""
+    return "meta" + fuser_key(sharer, control)[len("fuser"):]
+
+
 def query_type(kind: str) -> str:
     """The Flower message type of a query kind: ``query_type(DECODE) == "query.decode"``.
 

@@ -38,7 +38,7 @@ from .registry import (FuserCard, FuserRegistry, FuserVersion, FuserVersionError
 from .examples import build_pair_examples
 from .train import evaluate_pair, train_fuser
 
-MODES = ("alone", "t2t", "c2c", "co_c2c", "multi")  # c2c.eval.modes
+MODES = ("alone", "t2t", "c2c", "co_c2c", "multi", "c2c_zero", "c2c_shuffled")  # c2c.eval.modes
 
 
 def _log(msg: str, *args) -> None:

@@ -35,10 +35,14 @@ import torch
 
 from edgefuse.privacy.audit import outbound
 
+from edgefuse.data import format_example
+from edgefuse.kvcache import fused_forward
+
 from .exchange import decode_kv_cache, encode_kv_cache
 from edgefuse.eval.queries import (Query, answer_text, choice_token_ids, greedy_decode, prefill, prompt_split,
                       query_example, score_choices)
 from .examples import build_pair_example
+from .fuser import control_sharer
 from .registry import ModelVersion
 
 MAGIC = b"EFP1"
@@ -231,27 +235,86 @@ def _eos_ids(tok, model) -> set[int]:
     return {i for i in ids if i is not None}
 
 
+CONTROL_OF_MODE = {"c2c": "none", "c2c_zero": "zero", "c2c_shuffled": "shuffled"}
+"""The sharer control (:func:`edgefuse.c2c.fuser.control_sharer`) of each fused pair mode."""
+
+
+def shuffled_partners(n: int) -> list[int]:
+    """The shuffled-sharer control's partner of each query of a chunk of ``n``: query ``k``
+    is fused with the sharer cache received for query ``(k + 1) % n`` (a rotation by one: a
+    derangement, so no query gets its own sharer cache, and the same for the same chunk).
+
+    Raises:
+        PeerPayloadError: ``n < 2`` (no other query to take a cache from).
+    """
+    if n < 2:
+        raise PeerPayloadError(f"the shuffled-sharer control needs at least 2 queries in a message, got {n}")
+    return [(k + 1) % n for k in range(n)]
+
+
+def response_ids(query: Query, tok, max_tokens: int) -> list[int]:
+    """The reference response's token ids as fusers are trained on them
+    (:func:`edgefuse.data.tokenize_parts`: the stripped response + EOS, no special tokens),
+    cut to ``max_tokens``; ``[]`` when the query has no reference."""
+    if not query.reference:
+        return []
+    _, response = format_example({"instruction": query.instruction, "context": query.context,
+                                  "response": query.reference}, tok)
+    return tok(response, add_special_tokens=False)["input_ids"][:max(int(max_tokens), 0)]
+
+
+@torch.no_grad()
+def response_nll(model, cache, last_id: int, response: list[int]) -> tuple[float, int]:
+    """Teacher-forced NLL of ``response`` after a (fused) prompt cache, the fusers' training
+    loss (:mod:`edgefuse.c2c.train`): the continuation ``[last_id] + response`` runs on a copy
+    of ``cache`` (unchanged), and each response token is scored at the position before it.
+
+    Returns:
+        ``(mean nats per response token, tokens)``; ``(nan, 0)`` for an empty response.
+    """
+    if not response:
+        return float("nan"), 0
+    x = torch.tensor([[last_id] + list(response)], dtype=torch.long, device=next(model.parameters()).device)
+    logits = fused_forward(model, cache, x, copy=True)
+    target = x[0, 1:]
+    nll = torch.nn.functional.cross_entropy(logits[0, :-1].float(), target, reduction="sum")
+    return float(nll) / len(response), len(response)
+
+
 @torch.no_grad()
 def answer_queries(model, tok, queries: list[Query], *, sharers: list[dict] | None = None,
                    gate=None, hints: dict[str, str] | None = None, max_prompt_tokens: int,
-                   max_new_tokens: int) -> list[dict]:
+                   max_new_tokens: int, nll_max_tokens: int = 0) -> list[dict]:
     """Receiver: answer each query alone, with T2T hints, or from a fused cache.
 
     Args:
         sharers: per sharer ``{"fuser": C2CFuser, "tok": sharer tokenizer, "payloads":
-            [Payload per query]}``; ``None`` or empty: no fusion.
+            [Payload per query], "control": "none" | "zero" | "shuffled"}`` (``control``
+            optional, ``none``: the fuser reads this query's sharer cache; ``zero``: all
+            zeros of its shapes; ``shuffled``: the cache of query :func:`shuffled_partners`
+            ``[k]`` of this call, the mapping rescaled; :func:`edgefuse.c2c.fuser.control_sharer`);
+            ``None`` or empty: no fusion.
         gate: a :class:`edgefuse.c2c.multi.MultiSharerGate` for several sharers (``None``: equal
             weights).
         hints: ``qid -> sharer answer`` for T2T (added to the prompt as context).
+        nll_max_tokens: with ``> 0``, every query with a reference (Dolly, GSM8K) also gets
+            the :func:`response_nll` of its first ``nll_max_tokens`` reference tokens
+            (:func:`response_ids`) on the same (fused) prompt cache.
 
     Returns:
-        Per query ``{"qid", "pred" (MMLU choice or None), "text" (Dolly answer or None),
-        "prefill_ms", "fuse_ms", "decode_ms"}``.
+        Per query ``{"qid", "pred" (MMLU choice or None), "text" (Dolly answer or None; a
+        GSM8K query is scored by its NLL only), "nll" (mean nats per reference token or
+        None), "nll_tokens", "prefill_ms", "fuse_ms", "decode_ms"}``.
+
+    Raises:
+        PeerPayloadError: a shuffled control with fewer than 2 queries.
     """
     from .multi import fuse_many
     from edgefuse.eval.queries import t2t_hint
 
     sharers = sharers or []
+    partners = (shuffled_partners(len(queries))
+                if any(s.get("control") == "shuffled" for s in sharers) else None)
     letters = choice_token_ids(tok)
     eos = _eos_ids(tok, model)
     out = []
@@ -264,8 +327,13 @@ def answer_queries(model, tok, queries: list[Query], *, sharers: list[dict] | No
             cache = prefill(model, prefill_ids)
             prefill_ms = _ms(t0)
             t1 = time.perf_counter()
-            fused = [s["fuser"](cache, decode_kv_cache(s["payloads"][k].body), ex.mapping)
-                     for s, ex in zip(sharers, exs)]
+            fused = []
+            for s, ex in zip(sharers, exs):
+                control = s.get("control", "none")
+                partner = decode_kv_cache(s["payloads"][partners[k]].body) if control == "shuffled" else None
+                s_cache, mapping = control_sharer(control, decode_kv_cache(s["payloads"][k].body),
+                                                  ex.mapping, partner)
+                fused.append(s["fuser"](cache, s_cache, mapping))
             cache = fused[0] if len(fused) == 1 else fuse_many(cache, fused, gate)
             fuse_ms = _ms(t1)
         else:
@@ -273,17 +341,22 @@ def answer_queries(model, tok, queries: list[Query], *, sharers: list[dict] | No
             prefill_ids, last = prompt_split(asked, tok, max_prompt_tokens)
             cache = prefill(model, prefill_ids)
             prefill_ms = _ms(t0)
+        pred = text = nll = None
+        n_nll = 0
+        if nll_max_tokens > 0 and q.kind != "mmlu":  # scoring, not answering: not in the timings
+            value, n_nll = response_nll(model, cache, last, response_ids(q, tok, nll_max_tokens))
+            nll = value if n_nll else None
         t2 = time.perf_counter()
-        pred = text = None
         if q.kind == "mmlu":
             pred, _ = score_choices(model, cache, last, letters)
-        else:
+        elif q.kind == "dolly":
             text = answer_text(tok, greedy_decode(model, cache, last, max_new_tokens, eos))
-        out.append({"qid": q.qid, "pred": pred, "text": text, "prefill_ms": prefill_ms,
-                    "fuse_ms": fuse_ms, "decode_ms": _ms(t2)})
+        out.append({"qid": q.qid, "pred": pred, "text": text, "nll": nll, "nll_tokens": n_nll,
+                    "prefill_ms": prefill_ms, "fuse_ms": fuse_ms, "decode_ms": _ms(t2)})
     return out
 
 
 __all__ = ["MAGIC", "Payload", "PeerPayloadError", "encode_payload", "decode_payload",
            "pack_frames", "unpack_frames", "pair_example", "share_prefill", "open_payloads",
-           "refine_prefill", "share_answers", "answer_queries"]
+           "refine_prefill", "share_answers", "answer_queries", "CONTROL_OF_MODE", "shuffled_partners",
+           "response_ids", "response_nll"]

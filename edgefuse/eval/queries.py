@@ -22,6 +22,7 @@ attend to the fused cache. Without fusion this is exactly a full forward pass.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -230,12 +231,15 @@ def gsm8k_final(text: str) -> str | None:
     return num
 
 
-def load_gsm8k(mirror: str | Path | None, n: int, seed: int, split: str = "test") -> list[Query]:
+def load_gsm8k(mirror: str | Path | None, n: int, seed: int, split: str = "test",
+               full_answer: bool = False) -> list[Query]:
     """``n`` GSM8K questions drawn by ``seed`` (without replacement) from ``split``.
 
     Reads ``<mirror>/gsm8k/<split>.jsonl`` with ``datasets``; ``mirror=None`` (or ``"hub"``)
     loads the hub dataset ``openai/gsm8k`` (config ``main``). The instruction is the question plus
-    :data:`GSM8K_INSTRUCTION`; ``reference`` is the gold final number (:func:`gsm8k_final`).
+    :data:`GSM8K_INSTRUCTION`; ``reference`` is the gold final number (:func:`gsm8k_final`),
+    or with ``full_answer`` the whole reference solution ending ``#### <number>``, its
+    calculator annotations ``<<...>>`` removed (a response to score, e.g. by its NLL).
 
     Raises:
         ValueError: ``n < 1`` or more than the split holds.
@@ -266,8 +270,13 @@ def load_gsm8k(mirror: str | Path | None, n: int, seed: int, split: str = "test"
     rows = np.random.default_rng(seed).permutation(len(ds))[:n]
     return [Query(qid=f"gsm8k/{split}/{int(i)}", kind="gsm8k",
                   instruction=f"{ds[int(i)]['question'].strip()}\n{GSM8K_INSTRUCTION}", context="",
-                  choices=None, answer=None, reference=gsm8k_final(ds[int(i)]["answer"]),
+                  choices=None, answer=None,
+                  reference=(_GSM8K_CALC.sub("", ds[int(i)]["answer"]).strip() if full_answer
+                             else gsm8k_final(ds[int(i)]["answer"])),
                   category="gsm8k") for i in rows]
+
+
+_GSM8K_CALC = re.compile(r"<<[^>]*>>")  # GSM8K's calculator annotations
 
 
 def dolly_eval_queries(data_cfg, seed: int, per_category: int) -> list[Query]:

@@ -32,13 +32,14 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 from edgefuse.app.device import DeviceHome
+from edgefuse.app.messages import FUSER_CONTROLS, fuser_key, fuser_meta_key
 from edgefuse.lora import get_adapter_state
 from edgefuse.models import load_tokenizer
 from edgefuse.transport.crypto import HandshakeError, KeyPair
 from edgefuse.transport.identity import UntrustedPeerError, device_name, fingerprint
 from edgefuse.c2c.handshake import Handshake, PeerPrekey, open_from, seal_for, sign_prekey
 from edgefuse.c2c.fuser import C2CFuser, FuserConfig, KVSpec, kv_spec_from_config
-from edgefuse.c2c.peer import (open_payloads, pack_frames, refine_prefill, share_answers, share_prefill,
+from edgefuse.c2c.peer import (CONTROL_OF_MODE, open_payloads, pack_frames, refine_prefill, share_answers, share_prefill,
                          unpack_frames, answer_queries)
 from edgefuse.eval.queries import Query
 from edgefuse.c2c.registry import (FuserCard, FuserRegistry, FuserVersionError, ModelVersion,
@@ -241,18 +242,43 @@ def _frames_in(msg: Message, name: str = "frames") -> list[bytes]:
 
 
 # ----------------------------------------------------------------------------- fusers
+def _stored_meta(key: str) -> str:
+    """The state record holding the meta of installed fuser ``key`` (``fusermeta.<sharer>[@control]``)."""
+    return "fusermeta" + key[len("fuser"):]
+
+
+def _controls_of(conf, sharer: str) -> list[str]:
+    """The control fusers ``query.fusers`` says it carries for ``sharer`` (``controls.<sharer>``,
+    absent: none), checked: names of :data:`~edgefuse.app.messages.FUSER_CONTROLS`, each at most once."""
+    key = f"controls.{sharer}"
+    if key not in conf:
+        return []
+    got = conf[key]
+    names = [str(c) for c in got] if isinstance(got, list) else None
+    if (names is None or len(names) > len(FUSER_CONTROLS) or len(set(names)) != len(names)
+            or set(names) - set(FUSER_CONTROLS)):
+        raise FuserVersionError(f"{key} must list distinct controls among {', '.join(FUSER_CONTROLS)}, "
+                                f"got {str(got)[:80]!r}")
+    return names
+
+
 def install_fusers(msg: Message, context: Context, client) -> dict:
-    """Check every fuser in ``msg`` (records ``fuser.<sharer>``), then store them all and the
-    gate; one refusal stores nothing.
+    """Check every fuser in ``msg`` (records ``fuser.<sharer>`` and, for the controls that
+    ``controls.<sharer>`` lists, ``fuser.<sharer>@<control>``:
+    :func:`edgefuse.app.messages.fuser_key`), then store
+    them all and the gate; one refusal stores nothing.
 
     Per fuser: its card parses and is self-consistent, it was trained for this receiver's
-    spec and adapter, the KV shapes are this model's, and (:func:`edgefuse.c2c.registry.check_received`)
-    it carries a registry save record, is for the sharer the message names, its config
-    hashes and its weights digest to what the card says.
+    spec and adapter, the KV shapes are this model's, its config's ``sharer_control`` is
+    the slot's (``none`` for the real fuser: a control cannot stand in for it, nor the
+    reverse), and (:func:`edgefuse.c2c.registry.check_received`) it carries a registry
+    save record, is for the sharer the message names, its config hashes and its weights
+    digest to what the card says.
 
     Raises:
-        FuserVersionError: a fuser trained for another receiver spec or adapter, or KV shapes
-            that are not this model's; as :class:`~edgefuse.c2c.registry.FuserIntegrityError`, a
+        FuserVersionError: a fuser trained for another receiver spec or adapter, KV shapes
+            that are not this model's, a control list or a ``sharer_control`` that is not
+            the slot's; as :class:`~edgefuse.c2c.registry.FuserIntegrityError`, a
             card without a registry save record (unknown source), a card for another sharer,
             or a config / state that does not match its card (tampered).
     """
@@ -261,43 +287,55 @@ def install_fusers(msg: Message, context: Context, client) -> dict:
     mine = kv_spec_from_config(client.slot["peft"].config)
     checked = []
     for sharer in list(conf["sharers"]):
-        meta = json.loads(str(conf[f"meta.{sharer}"]))
-        card = FuserCard.from_json(meta["card"])
-        FuserRegistry.check_compatible(card.version, card.version.sharer, me)
-        if KVSpec.from_dict(meta["receiver_kv"]) != mine:
-            raise FuserVersionError(f"fuser {card.version_id} was built for KV shapes "
-                                    f"{meta['receiver_kv']}, this model has {mine.to_dict()}")
-        arrays = {k: v.numpy() for k, v in msg.content[f"fuser.{sharer}"].items()}
-        check_received(card, unpack_state(arrays, meta["index"]), meta["config"], str(sharer))
-        checked.append((sharer, meta))
-    for sharer, meta in checked:  # all or nothing: store only once every fuser passed
-        context.state[f"fuser.{sharer}"] = msg.content[f"fuser.{sharer}"]
-        context.state[f"fusermeta.{sharer}"] = ConfigRecord({"meta": json.dumps(meta)})
-    installed = [s for s, _ in checked]
+        for control in ["none"] + _controls_of(conf, str(sharer)):
+            key = fuser_key(str(sharer), control)
+            meta = json.loads(str(conf[fuser_meta_key(str(sharer), control)]))
+            card = FuserCard.from_json(meta["card"])
+            FuserRegistry.check_compatible(card.version, card.version.sharer, me)
+            if KVSpec.from_dict(meta["receiver_kv"]) != mine:
+                raise FuserVersionError(f"fuser {card.version_id} was built for KV shapes "
+                                        f"{meta['receiver_kv']}, this model has {mine.to_dict()}")
+            arrays = {k: v.numpy() for k, v in msg.content[key].items()}
+            check_received(card, unpack_state(arrays, meta["index"]), meta["config"], str(sharer))
+            got = FuserConfig.from_dict(meta["config"]).sharer_control
+            if got != control:
+                raise FuserVersionError(f"fuser {card.version_id} is a sharer_control={got!r} fuser, "
+                                        f"sent as {key!r} (sharer_control={control!r}): refusing it")
+            checked.append((key, meta))
+    for key, meta in checked:  # all or nothing: store only once every fuser passed
+        context.state[key] = msg.content[key]
+        context.state[_stored_meta(key)] = ConfigRecord({"meta": json.dumps(meta)})
+    installed = [key[len("fuser."):] for key, _ in checked]
     if "gate" in msg.content.array_records:
         context.state["gate"] = msg.content["gate"]
         context.state["gatemeta"] = ConfigRecord({"meta": str(conf["gate_meta"])})
     return {"installed": installed, "version": me}
 
 
-def load_fuser(context: Context, client, sharer: str) -> tuple[C2CFuser, FuserCard]:
-    """Rebuild an installed fuser; refused if this client's adapter changed since, or if the
-    stored fuser no longer matches its card (checked again, as at install).
+def load_fuser(context: Context, client, sharer: str, control: str = "none") -> tuple[C2CFuser, FuserCard]:
+    """Rebuild an installed fuser (``control``: the pair's real one, ``none``, or its
+    ``zero`` / ``shuffled`` control); refused if this client's adapter changed since, or if
+    the stored fuser no longer matches its card or slot (checked again, as at install).
 
     Raises:
-        FuserVersionError: no fuser installed for ``sharer``, or a version mismatch;
+        FuserVersionError: no such fuser installed for ``sharer``, or a version mismatch;
             :class:`~edgefuse.c2c.registry.FuserIntegrityError` for a stored fuser that fails
             :func:`edgefuse.c2c.registry.check_received`.
     """
-    if f"fuser.{sharer}" not in context.state.array_records:
-        raise FuserVersionError(f"no fuser installed for sharer {sharer!r}: the server must send "
+    key = fuser_key(sharer, control)
+    if key not in context.state.array_records:
+        what = "fuser" if control == "none" else f"{control}-sharer control fuser"
+        raise FuserVersionError(f"no {what} installed for sharer {sharer!r}: the server must send "
                                 "query.fusers first")
-    meta = json.loads(str(context.state[f"fusermeta.{sharer}"]["meta"]))
+    meta = json.loads(str(context.state[_stored_meta(key)]["meta"]))
     card = FuserCard.from_json(meta["card"])
     FuserRegistry.check_compatible(card.version, card.version.sharer, my_version(client))
-    arrays = {k: v.numpy() for k, v in context.state[f"fuser.{sharer}"].items()}
+    arrays = {k: v.numpy() for k, v in context.state[key].items()}
     state = unpack_state(arrays, meta["index"])
     check_received(card, state, meta["config"], sharer)
+    if FuserConfig.from_dict(meta["config"]).sharer_control != control:
+        raise FuserVersionError(f"fuser {card.version_id} stored as {key!r} is not a "
+                                f"sharer_control={control!r} fuser")
     fuser = C2CFuser(kv_spec_from_config(client.slot["peft"].config),
                      KVSpec.from_dict(meta["sharer_kv"]), FuserConfig.from_dict(meta["config"]))
     fuser.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
@@ -393,15 +431,28 @@ def refine(msg: Message, context: Context, client) -> RecordDict:
                                             **_handshake_fields(handshake)})})
 
 
+ANSWER_MODES = ("alone", "t2t", "c2c", "c2c_zero", "c2c_shuffled", "co_c2c", "multi")
+
+
 def answer(msg: Message, context: Context, client) -> RecordDict:
-    """Receiver: answer the queries in ``mode`` (alone, t2t, c2c, co_c2c, multi).
+    """Receiver: answer the queries in ``mode`` (:data:`ANSWER_MODES`); ``c2c_zero`` and
+    ``c2c_shuffled`` fuse the sharer's cache with the pair's control fuser, fed as
+    :func:`edgefuse.c2c.peer.answer_queries` says (zeros; another query's cache of this
+    message). Queries with a reference also get their response NLL
+    (``c2c.eval.nll_max_tokens`` tokens).
 
     Every sharer's handshake (``peer_name.<i>``, ``ephemeral_key.<i>``, ...) is checked
-    before any payload is opened: one refused key opens and fuses nothing."""
+    before any payload is opened: one refused key opens and fuses nothing.
+
+    Raises:
+        ValueError: a mode not in :data:`ANSWER_MODES`."""
     conf = msg.content["c2c"]
     ev = client.cfg.c2c.eval
     queries = _queries(conf)
     mode = str(conf["mode"])
+    if mode not in ANSWER_MODES:
+        raise ValueError(f"unknown C2C mode {mode[:32]!r}: use one of {', '.join(ANSWER_MODES)}")
+    control = CONTROL_OF_MODE.get(mode, "none")
     sharers, hints, gate = [], None, None
     names = list(conf["sharers"]) if "sharers" in conf else []
     sessions = [_opened(context, conf, f".{i}") for i in range(len(names))]
@@ -412,14 +463,16 @@ def answer(msg: Message, context: Context, client) -> RecordDict:
             payloads = open_payloads(session, frames, queries, "text")
             hints = {p.qid: p.body.decode("utf-8", errors="replace") for p in payloads}
             continue
-        fuser, card = load_fuser(context, client, name)
+        fuser, card = load_fuser(context, client, name, control)
         payloads = open_payloads(session, frames, queries, "kv", card.version.sharer)
-        sharers.append({"fuser": fuser, "tok": tokenizer(client.cfg, name), "payloads": payloads})
+        sharers.append({"fuser": fuser, "tok": tokenizer(client.cfg, name), "payloads": payloads,
+                        "control": control})
     if mode == "multi":
         gate = load_gate(context, client, names)
     rows = answer_queries(client.slot["peft"], client.slot["tok"], queries, sharers=sharers,
                           gate=gate, hints=hints, max_prompt_tokens=int(ev.max_prompt_tokens),
-                          max_new_tokens=int(ev.max_new_tokens))
+                          max_new_tokens=int(ev.max_new_tokens),
+                          nll_max_tokens=int(ev.get("nll_max_tokens", 0)))
     return RecordDict({"c2c": ConfigRecord({"results": json.dumps(rows),
                                             "gate": "trained" if gate is not None else "none"})})
 
@@ -429,5 +482,5 @@ def reply(msg: Message, content: RecordDict, seconds: float) -> Message:
     return Message(content, reply_to=msg)
 
 
-__all__ = ["prekey", "signed_prekey", "forget_prekey", "own_name", "install_fusers", "load_fuser", "load_gate", "share", "refine", "answer",
+__all__ = ["ANSWER_MODES", "prekey", "signed_prekey", "forget_prekey", "own_name", "install_fusers", "load_fuser", "load_gate", "share", "refine", "answer",
            "reply", "my_version", "tokenizer"]

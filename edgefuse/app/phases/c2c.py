@@ -15,7 +15,28 @@ After the last round (or every round, ``c2c.train.at``: :meth:`C2C.after_round`)
    - ``c2c``: a sharer's sealed int8 prompt cache, fused by the receiver;
    - ``co_c2c``: the receiver's cache goes to the sharer first, which fuses it into its own
      (its fuser sharer ← receiver) and sends the refined cache back to be fused;
-   - ``multi``: every sharer's cache, combined by the receiver's gate.
+   - ``multi``: every sharer's cache, combined by the receiver's gate;
+   - ``c2c_zero`` / ``c2c_shuffled`` (with ``c2c.eval.controls: true``, after each ``c2c``
+     row): the controls. The exchange is c2c's (the sharer seals its real prompt cache);
+     the receiver fuses with the pair's control fuser (trained with the same budget and
+     ``sharer_control`` zero / shuffled, its own registry version), fed all zeros of the
+     received cache's shapes, or the cache received for the next query of the same
+     message (query ``k`` of a message reads query ``(k + 1) % n``'s: a rotation, so never
+     its own, and deterministic; a message holds at least two queries here). Doing c2c's
+     exchange keeps the shapes (sliding windows included) exactly those the control fuser
+     was trained on and makes the control rows' latency and bytes c2c's by construction.
+
+Metrics per row (:func:`_score`, :func:`_paired_with_alone`): MMLU accuracy (Wilson 95 %),
+ROUGE-L on Dolly (bootstrap 95 %), and the held-out response NLL of every Dolly and GSM8K
+query (``c2c.eval.gsm8k_n`` test questions, the reference solution as the response): the
+receiver's teacher-forced mean nats per reference token after the (fused or hinted) prompt
+cache, the fusers' training loss (:func:`edgefuse.c2c.peer.response_nll`), averaged over
+items with a bootstrap 95 % interval. Every mode is compared with ``alone`` on the same
+items (paired bootstrap: ``*_vs_alone``), ``c2c`` with each control (``nll_vs_zero``,
+``nll_vs_shuffled``: c2c minus control, below zero = the sharer's own cache helps). Power:
+``mmlu_above_chance`` (the receiver alone's Wilson low end above 0.25),
+``mmlu_resolvable_difference`` (the paired interval's half-width) and a ``note`` when the
+MMLU n cannot resolve a 3-point difference (:func:`_power`).
 
 The server relays sealed bytes only and holds no key of an exchange
 (:mod:`edgefuse.c2c.handshake`: the signed-prekey idea of Signal's X3DH, one signed
@@ -44,6 +65,7 @@ over the queries of that exchange (the one-off prekey in ``query.info`` is not c
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from logging import INFO, WARNING
@@ -53,16 +75,17 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message
 from flwr.common.logger import log
 
 from edgefuse.app import messages as M
-from edgefuse.app.messages import NodeError, last_line
+from edgefuse.app.messages import NodeError, fuser_key, fuser_meta_key, last_line
 from edgefuse.app.phases.base import Phase, PhaseContext
 from edgefuse.app.strategy import GroupedLoRA, NodeInfo
 from edgefuse.c2c.hub import FuserService, Side, kv_spec, pair_list
 from edgefuse.c2c.hub import check_config
 from edgefuse.c2c.handshake import HANDSHAKE_BYTES
 from edgefuse.c2c.peer import pack_frames, unpack_frames
-from edgefuse.c2c.registry import FuserRegistry, pack_state
+from edgefuse.c2c.registry import FuserRegistry, FuserVersion, FuserVersionError, config_hash, pack_state
+from edgefuse.config import ConfigError
 from edgefuse.eval import stats
-from edgefuse.eval.queries import Query, dolly_eval_queries, load_mmlu, rouge_l
+from edgefuse.eval.queries import Query, dolly_eval_queries, load_gsm8k, load_mmlu, rouge_l
 from edgefuse.transport.identity import device_name
 from edgefuse.transport.wan import WanLink, WanProfile
 
@@ -84,16 +107,61 @@ def sides(strategy: GroupedLoRA, reps: dict[str, NodeInfo]) -> dict[str, Side]:
             for m, n in reps.items()}
 
 
+CONTROL_MODES = ("c2c_zero", "c2c_shuffled")  # with c2c.eval.controls, after each c2c row
+CONTROL_OF = {"c2c_zero": "zero", "c2c_shuffled": "shuffled"}
+CHANCE = 0.25  # MMLU: four letters
+RESOLVE = 0.03  # the difference (3 points) the MMLU n should resolve
+
+
 def load_queries(cfg) -> list[Query]:
-    """The evaluation queries: ``c2c.eval.mmlu_n`` MMLU questions and
-    ``c2c.eval.dolly_per_category`` public Dolly rows per category (after the fuser rows)."""
+    """The evaluation queries: ``c2c.eval.mmlu_n`` MMLU questions,
+    ``c2c.eval.dolly_per_category`` public Dolly rows per category (the public split's eval
+    slice) and ``c2c.eval.gsm8k_n`` GSM8K test questions whose ``reference`` is the whole
+    reference solution (calculator annotations ``<<...>>`` removed), scored by NLL only."""
     ev = cfg.c2c.eval
     out = []
     if int(ev.mmlu_n) > 0:
         out += load_mmlu(cfg.data.mirror, int(ev.mmlu_n), int(cfg.seed), split=str(ev.mmlu_split))
     if int(ev.dolly_per_category) > 0:
         out += dolly_eval_queries(cfg.data, int(cfg.seed), int(ev.dolly_per_category))
+    if int(ev.get("gsm8k_n", 0)) > 0:
+        out += load_gsm8k(cfg.data.mirror, int(ev.gsm8k_n), int(cfg.seed), split="test", full_answer=True)
     return out
+
+
+def check_eval(cfg) -> None:
+    """Compose-time checks of the evaluation keys this phase adds (``c2c.enabled`` only).
+
+    Raises:
+        ConfigError: ``c2c.eval.controls`` not a bool, controls without ``c2c`` in
+            ``c2c.eval.modes``, a control mode listed in ``c2c.eval.modes`` without
+            ``c2c.eval.controls: true``, a negative ``gsm8k_n`` or ``nll_max_tokens``.
+    """
+    c2c = cfg.get("c2c")
+    if c2c is None or not c2c.get("enabled"):
+        return
+    ev = c2c.eval
+    controls = ev.get("controls", False)
+    if not isinstance(controls, bool):
+        raise ConfigError(f"c2c.eval.controls must be true or false, got {controls!r}")
+    modes = [str(m) for m in ev.modes]
+    if controls and "c2c" not in modes:
+        raise ConfigError("c2c.eval.controls: true needs c2c in c2c.eval.modes (each control row "
+                          "sits beside a c2c row)")
+    listed = sorted(set(modes) & set(CONTROL_MODES))
+    if listed and not controls:
+        raise ConfigError(f"c2c.eval.modes lists {listed}: the controls run with c2c.eval.controls: true")
+    for key in ("gsm8k_n", "nll_max_tokens"):
+        value = ev.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"c2c.eval.{key} must be an integer >= 0, got {value!r}")
+
+
+def control_version(service: FuserService, sharer: Side, receiver: Side, control: str) -> FuserVersion:
+    """The registry version of a pair's control fuser: the pair's version with the run's
+    fuser config hashed with ``sharer_control=control`` (how the fuser service registers it)."""
+    return FuserVersion(sharer.version(), receiver.version(),
+                        config_hash({**service.fcfg_dict, "sharer_control": control}))
 
 
 class C2C(Phase):
@@ -110,8 +178,13 @@ class C2C(Phase):
         return bool(cfg.get("c2c") and cfg.c2c.enabled)
 
     def check(self, cfg) -> None:
-        """:func:`edgefuse.c2c.hub.check_config`."""
+        """:func:`edgefuse.c2c.hub.check_config` and :func:`check_eval`."""
         check_config(cfg)
+        check_eval(cfg)
+
+    def controls(self) -> bool:
+        """Whether the control rows run (``c2c.eval.controls``)."""
+        return bool(self.cfg.c2c.eval.get("controls", False)) and "c2c" in self.cfg.c2c.eval.modes
 
     def start(self, ctx: PhaseContext) -> None:
         """Open the fuser registry and the emulated link."""
@@ -218,14 +291,30 @@ class C2C(Phase):
             r_kv = kv_spec(self.cfg, receiver).to_dict()
             nbytes, sd = 0, sides(self.strategy, self.reps)
             for sharer in sharers:
-                version = self.service.version(sd[sharer], sd[receiver])
-                state, fcfg, card = self.service.registry.load_state(version)
-                packed, index = pack_state(state)
-                arrays[f"fuser.{sharer}"] = ArrayRecord({k: Array(v) for k, v in packed.items()})
-                conf[f"meta.{sharer}"] = json.dumps({
-                    "card": card.to_json(), "config": fcfg, "index": index, "receiver_kv": r_kv,
-                    "sharer_kv": kv_spec(self.cfg, sharer).to_dict()})
-                nbytes += sum(v.nbytes for v in packed.values())
+                versions = [("none", self.service.version(sd[sharer], sd[receiver]))]
+                if self.controls():
+                    versions += [(c, control_version(self.service, sd[sharer], sd[receiver], c))
+                                 for c in CONTROL_OF.values()]
+                sent = []
+                for control, version in versions:
+                    try:
+                        state, fcfg, card = self.service.registry.load_state(version)
+                    except FuserVersionError as e:
+                        if control == "none":
+                            raise
+                        log(WARNING, "c2c: no %s-sharer control fuser %s -> %s (%s): its rows will "
+                            "fail", control, sharer, receiver, e)
+                        continue
+                    packed, index = pack_state(state)
+                    key = fuser_key(sharer, control)
+                    arrays[key] = ArrayRecord({k: Array(v) for k, v in packed.items()})
+                    conf[fuser_meta_key(sharer, control)] = json.dumps({
+                        "card": card.to_json(), "config": fcfg, "index": index, "receiver_kv": r_kv,
+                        "sharer_kv": kv_spec(self.cfg, sharer).to_dict()})
+                    nbytes += sum(v.nbytes for v in packed.values())
+                    sent += [control] if control != "none" else []
+                if sent:
+                    conf[f"controls.{sharer}"] = sent
             if receiver in self.gates:
                 g_sharers, g_state, g_meta = self.gates[receiver]
                 packed, index = pack_state(g_state)
@@ -256,6 +345,8 @@ class C2C(Phase):
                 plan.append(("alone", []))
             for s in sharers:
                 plan += [(m, [s]) for m in ("t2t", "c2c") if m in modes]
+                if self.controls():
+                    plan += [(m, [s]) for m in CONTROL_MODES]
                 if "co_c2c" in modes and (receiver, s) in self.pairs:
                     plan.append(("co_c2c", [s]))
             if "multi" in modes and len(sharers) >= 2:
@@ -264,18 +355,19 @@ class C2C(Phase):
                 t0 = time.perf_counter()
                 try:
                     per_query = []
-                    for chunk in _chunks(queries, int(self.cfg.c2c.eval.batch_queries)):
+                    size = int(self.cfg.c2c.eval.batch_queries)
+                    for chunk in _chunks(queries, size, 2 if mode == "c2c_shuffled" else 1):
                         per_query += self._run(mode, receiver, ss, chunk)
                     row = _score(receiver, ss, mode, queries, per_query)
                 except NodeError as e:
                     log(WARNING, "c2c: %s with %s on %s failed: %s", mode, ss, receiver, e)
                     row = {"receiver": receiver, "sharers": ss, "mode": mode, "n": 0,
-                           "mmlu_acc": None, "rougeL": None, "latency_ms": None,
+                           "mmlu_acc": None, "rougeL": None, "nll": None, "latency_ms": None,
                            "bytes_sent": None, "error": str(e)}
                 row["wall_seconds"] = time.perf_counter() - t0
-                log(INFO, "c2c: %-18s %-7s sharers %-40s MMLU %s ROUGE-L %s latency %s ms",
+                log(INFO, "c2c: %-18s %-12s sharers %-40s MMLU %s ROUGE-L %s NLL %s latency %s ms",
                     receiver, mode, ",".join(ss) or "-", _f(row["mmlu_acc"]), _f(row["rougeL"]),
-                    _f(row["latency_ms"], ".0f"))
+                    _f(row.get("nll")), _f(row["latency_ms"], ".0f"))
                 rows.append(row)
         return _paired_with_alone(rows)
 
@@ -335,7 +427,7 @@ class C2C(Phase):
                 nb = [len(x) + len(y) + 2 * hs for x, y in zip(f1, frames)]
             else:
                 frames, ms, sid, handshake = self._share(s, receiver, "text" if mode == "t2t" else "kv",
-                                                         chunk)
+                                                         chunk)  # the controls: c2c's exchange
                 lat = [a + self._hop(len(x) + hs) for a, x in zip(ms, frames)]
                 nb = [len(x) + hs for x in frames]
             flat, conf[f"frames.{i}_lengths"] = pack_frames(frames)
@@ -356,10 +448,14 @@ class C2C(Phase):
         return results
 
 
-def _chunks(items: list, size: int):
-    size = max(1, size)
-    for i in range(0, len(items), size):
-        yield items[i:i + size]
+def _chunks(items: list, size: int, least: int = 1):
+    """``items`` in runs of ``size`` (at least ``least``); a last run shorter than ``least``
+    joins the one before it (so no message of the shuffled control holds a single query)."""
+    size = max(1, size, least)
+    runs = [items[i:i + size] for i in range(0, len(items), size)]
+    if len(runs) > 1 and len(runs[-1]) < least:
+        runs[-2:] = [runs[-2] + runs[-1]]
+    yield from runs
 
 
 def _mean(xs):
@@ -369,20 +465,25 @@ def _mean(xs):
 
 def _score(receiver: str, sharers: list[str], mode: str, queries: list[Query], results: list[dict]) -> dict:
     """Aggregate per-query results into one results.json ``c2c`` row: MMLU accuracy with its
-    Wilson 95 % interval and ROUGE-L with a bootstrap one (:mod:`edgefuse.eval.stats`), their
-    ``n``, and the per-item scores (``_items``, dropped by :func:`_paired_with_alone`)."""
+    Wilson 95 % interval, ROUGE-L and the response NLL (mean over items of each item's nats
+    per reference token) with bootstrap ones (:mod:`edgefuse.eval.stats`), their ``n``, and
+    the per-item scores (``_items``, dropped by :func:`_paired_with_alone`)."""
     by_id = {q.qid: q for q in queries}
     mmlu = [(by_id[r["qid"]], r) for r in results if by_id[r["qid"]].kind == "mmlu"]
     dolly = [(by_id[r["qid"]], r) for r in results if by_id[r["qid"]].kind == "dolly"]
+    n_gsm8k = sum(by_id[r["qid"]].kind == "gsm8k" for r in results)
     correct = {q.qid: float(r["pred"] == q.answer) for q, r in mmlu}
     rouge = {q.qid: rouge_l(r["text"] or "", q.reference or "") for q, r in dolly}
+    nll = {r["qid"]: float(r["nll"]) for r in results if r.get("nll") is not None}
     acc = stats.proportion(list(correct.values()))
     rl = stats.bootstrap_mean_interval(list(rouge.values()))
+    nl = stats.bootstrap_mean_interval(list(nll.values()))
     return {
         "receiver": receiver, "sharers": list(sharers), "mode": mode, "n": len(results),
-        "n_mmlu": len(mmlu), "n_dolly": len(dolly),
+        "n_mmlu": len(mmlu), "n_dolly": len(dolly), "n_gsm8k": n_gsm8k,
         "mmlu_acc": acc.value, "mmlu_acc_ci95_low": acc.low, "mmlu_acc_ci95_high": acc.high,
         "rougeL": rl.value, "rougeL_ci95_low": rl.low, "rougeL_ci95_high": rl.high,
+        "n_nll": nl.n, "nll": nl.value, "nll_ci95_low": nl.low, "nll_ci95_high": nl.high,
         "latency_ms": _mean([r["latency_ms"] for r in results]),
         "latency_ms_mmlu": _mean([r["latency_ms"] for _, r in mmlu]),
         "latency_ms_dolly": _mean([r["latency_ms"] for _, r in dolly]),
@@ -391,27 +492,86 @@ def _score(receiver: str, sharers: list[str], mode: str, queries: list[Query], r
         "fuse_ms": _mean([r["fuse_ms"] for r in results]),
         "decode_ms": _mean([r["decode_ms"] for r in results]),
         "bytes_sent": _mean([r["bytes_sent"] for r in results]),
-        "_items": {"mmlu_acc": correct, "rougeL": rouge},
+        "_items": {"mmlu_acc": correct, "rougeL": rouge, "nll": nll},
     }
+
+
+def _paired(row: dict, name: str, items: dict, base: dict, metrics) -> None:
+    """Add ``<metric>_<name>`` (row minus base on the items both scored, paired bootstrap
+    95 %: :func:`edgefuse.eval.stats.paired_difference`) to ``row`` for each metric."""
+    for metric in metrics:
+        common = sorted(set(items[metric]) & set(base[metric]))
+        if common:
+            d = stats.paired_difference([items[metric][q] for q in common],
+                                        [base[metric][q] for q in common])
+            row.update(d.to_dict(f"{metric}_{name}"))
 
 
 def _paired_with_alone(rows: list[dict]) -> list[dict]:
     """Add to each row of one receiver its paired difference from that receiver's ``alone``
-    row on the items both scored (``mmlu_acc_vs_alone``, ``rougeL_vs_alone``, each with ``_n``
-    and a paired-bootstrap 95 % interval; :func:`edgefuse.eval.stats.paired_difference`),
-    then drop the per-item scores. Rows without an ``alone`` row get no difference."""
+    row on the items both scored (``mmlu_acc_vs_alone``, ``rougeL_vs_alone``,
+    ``nll_vs_alone``, each with ``_n`` and a paired-bootstrap 95 % interval); to each ``c2c``
+    row its difference from the control rows of the same receiver and sharer
+    (``nll_vs_zero``, ``nll_vs_shuffled``: c2c minus control); the MMLU power fields
+    (:func:`_power`); then drop the per-item scores. Rows without an ``alone`` row get no
+    difference from it."""
     alone = {r["receiver"]: r.get("_items") for r in rows if r["mode"] == "alone" and r.get("_items")}
+    controls = {(r["receiver"], tuple(r["sharers"]), CONTROL_OF[r["mode"]]): r.get("_items")
+                for r in rows if r["mode"] in CONTROL_OF and r.get("_items")}
     for row in rows:
-        items, base = row.pop("_items", None), alone.get(row["receiver"])
-        if items is None or base is None or row["mode"] == "alone":
+        items, base = row.get("_items"), alone.get(row["receiver"])
+        if items is None:
             continue
-        for metric in ("mmlu_acc", "rougeL"):
-            common = sorted(set(items[metric]) & set(base[metric]))
-            if common:
-                d = stats.paired_difference([items[metric][q] for q in common],
-                                            [base[metric][q] for q in common])
-                row.update(d.to_dict(f"{metric}_vs_alone"))
+        if base is not None and row["mode"] != "alone":
+            _paired(row, "vs_alone", items, base, ("mmlu_acc", "rougeL", "nll"))
+        if row["mode"] == "c2c":
+            for control in CONTROL_OF.values():
+                other = controls.get((row["receiver"], tuple(row["sharers"]), control))
+                if other is not None:
+                    _paired(row, f"vs_{control}", items, other, ("nll",))
+    for row in rows:
+        row.pop("_items", None)
+    return _power(rows)
+
+
+def _power(rows: list[dict]) -> list[dict]:
+    """The MMLU power fields of every row (nothing else changes).
+
+    ``mmlu_above_chance``: the receiver alone's Wilson 95 % low end is above 0.25 (``None``
+    without an alone row with MMLU items). ``mmlu_resolvable_difference``: the half-width
+    of the row's paired interval vs alone (``None`` for alone). A paired 95 % interval
+    over ``n`` items can exclude zero for a true difference ``d`` only if ``d`` exceeds
+    about ``z·sqrt(d/n)`` (all discordant items going one way), i.e. ``n ≥ z²/d`` ≈ 128 for
+    3 points; so ``note`` says the row cannot resolve a 3-point difference when
+    ``n_mmlu < 128`` or the half-width exceeds 0.03, and that the receiver is at chance
+    when it is not above it.
+    """
+    chance = {}
+    for r in rows:
+        if r["mode"] == "alone" and r.get("n_mmlu") and r.get("mmlu_acc_ci95_low") is not None:
+            chance[r["receiver"]] = bool(r["mmlu_acc_ci95_low"] > CHANCE)
+    need = math.ceil(_Z95 ** 2 / RESOLVE)
+    for r in rows:
+        if not r.get("n_mmlu"):
+            continue
+        r["mmlu_above_chance"] = chance.get(r["receiver"])
+        notes = []
+        if r["mmlu_above_chance"] is False:
+            notes.append(f"{r['receiver']} alone is not above chance on MMLU (Wilson low end <= {CHANCE})")
+        lo, hi = r.get("mmlu_acc_vs_alone_ci95_low"), r.get("mmlu_acc_vs_alone_ci95_high")
+        half = None if lo is None or hi is None else (hi - lo) / 2
+        r["mmlu_resolvable_difference"] = half
+        if r["mode"] != "alone" and (r["n_mmlu"] < need or (half is not None and half > RESOLVE)):
+            notes.append(f"{r['receiver']} {r['mode']}: n={r['n_mmlu']} MMLU items cannot resolve a "
+                         f"{RESOLVE * 100:.0f}-point difference"
+                         + ("" if half is None else f" (paired 95 % interval ±{half:.3f})")
+                         + (f", that needs n >= {need}" if r["n_mmlu"] < need else ""))
+        if notes:
+            r["note"] = "; ".join(notes)
     return rows
+
+
+_Z95 = 1.959964
 
 
 def _f(x, spec: str = ".3f") -> str:
