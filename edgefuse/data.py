@@ -17,6 +17,9 @@ serves everything edgefuse uses of it (``load_dataset`` on JSON/CSV files and hu
 ``select``, column access). The category partitions are the rows they were before; the
 Dirichlet ones are new (see :func:`partition_dirichlet`).
 
+GSM8K (:func:`load_gsm8k_split`) is loaded the same way, from ``<data.mirror>/gsm8k/`` or the
+hub; the server trains the C2C fusers on its train split (:mod:`edgefuse.eval.splits`).
+
 Training loss is on response tokens only: ``tokenize_example`` sets ``labels = -100``
 on the prompt. Rows left with no response token after truncation are dropped by
 ``tokenize_dataset``, so a batch never has an all-masked row.

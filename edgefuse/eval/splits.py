@@ -23,6 +23,21 @@ category gets exactly the rows it got with ``skip = fuser_train + fuser_val``). 
 used to train on the first public rows (the fuser rows) and the draft head counted the
 first 2000 public rows (every row, evaluation rows included); both now come from rows no
 other slice holds, so their rows differ.
+
+Fuser training data and held-out rows (which is which)::
+
+    training (fuser_training_rows, c2c.train.data)      held out (heldout_rows)
+    dolly_public  fuser_train, then the spare rows      dolly_eval  the eval slice
+                  (after attack_train; draft_corpus
+                  counts tokens of them too)
+    gsm8k_train   GSM8K train, minus any question       gsm8k_test  GSM8K test, in load_gsm8k's
+                  equal to a test question                          draw for the seed
+
+``fuser_val`` (the fuser cards) and ``attack_train`` (the privacy probe) are in neither. A
+training source never holds a held-out row or instruction: Dolly by the slices above (the
+instructions are deduplicated across them), GSM8K by its train / test split (and the
+filter). ``n`` of ``dolly_public`` up to ``fuser_train`` is a prefix of that slice, so the
+evaluation rows never move with the training budget; above it, the spare rows follow.
 """
 
 from __future__ import annotations
