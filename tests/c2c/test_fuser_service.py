@@ -211,4 +211,7 @@ def test_fusers_train_on_the_fuser_slices(cfg, public, tmp_path, monkeypatch):
     rows = FuserService(cfg, FuserRegistry(tmp_path)).update(sides, [(QWEN, LLAMA)], 1)
     assert rows[0]["action"] == "trained", rows[0].get("reason")
     assert len(public.fuser_train) == int(cfg.c2c.train.examples) == 8 and len(public.fuser_val) == 8
-    assert seen == [public.rows("fuser_train"), public.rows("fuser_val")]
+    dolly = ("instruction", "context", "response", "category")  # the training rows add their source
+    assert [[{k: r[k] for k in dolly} for r in seen[0]], seen[1]] == [public.rows("fuser_train"),
+                                                                     public.rows("fuser_val")]
+    assert {r["source"] for r in seen[0]} == {"dolly_public"}
