@@ -655,8 +655,8 @@ class FuserRegistry:
 
         Args:
             path: the archive file.
-            kv_spec_of: ``spec -> KVSpec`` of a model spec (default: from the model's config,
-                :func:`edgefuse.models.model_config` under ``cache_dir``).
+            kv_spec_of: ``spec -> KVSpec`` of a model spec (default: from the model's config
+                as this machine holds it under ``cache_dir``; nothing is ever fetched).
             cache_dir: the model cache for the default ``kv_spec_of``.
             max_weights_bytes: cap on the weights member, whatever the card says.
             make_latest: point the pair's ``latest`` at the imported version.
@@ -673,9 +673,7 @@ class FuserRegistry:
         where = path.name
         if kv_spec_of is None:
             def kv_spec_of(spec):
-                from edgefuse.models import model_config
-
-                return kv_spec_from_config(model_config(spec, cache_dir))
+                return kv_spec_from_config(_local_model_config(spec, cache_dir))
 
         with _ArchiveReader(path, max_weights_bytes) as archive:
             card = _parse_card(archive.read(CARD), where)
@@ -828,6 +826,25 @@ _TAR_TYPES = {b"1": "a hard link", b"2": "a symbolic link", b"3": "a character d
 class FuserArchiveError(FuserIntegrityError):
     """An archive handed to :meth:`FuserRegistry.import_` that is malformed, oversized, or
     whose contents fail a check; nothing was written."""
+
+
+def _local_model_config(name: str, cache_dir=None):
+    """The transformers config of model spec ``name`` from this machine only: a tiny spec's,
+    a fetched embedded model's, a local folder's, or a hub id already in the local hub
+    cache. Never fetches: an imported card must not make the server download anything.
+
+    Raises:
+        ModelSpecError, ModelFetchError, OSError: unknown, not fetched, or not cached here.
+    """
+    from transformers import AutoConfig
+
+    from edgefuse.models import get_spec, model_config, resolve_path
+
+    spec = get_spec(name)
+    if spec.tiny:
+        return model_config(name)
+    return AutoConfig.from_pretrained(resolve_path(spec, cache_dir, allow_fetch=False),
+                                      local_files_only=True)
 
 
 def _line(e: BaseException) -> str:
