@@ -340,3 +340,104 @@ def test_t2t_hint_goes_into_the_prompt(models, monkeypatch):
     monkeypatch.setattr(peer, "prefill", real)
     direct = answer_queries(models["r"], models["rt"], [asked], **kw)
     assert hinted[0]["pred"] == direct[0]["pred"] and alone[0]["pred"] in range(4)
+
+
+# ---------------------------------------------------------------- controls and response NLL
+
+DOLLY2 = Query(qid="dolly/2", kind="dolly", instruction="Name a fruit that is yellow.", context="",
+               choices=None, answer=None, reference="A banana is yellow.", category="open_qa")
+GSM = Query(qid="gsm8k/test/0", kind="gsm8k", instruction="What is 2 + 3?\nEnd with #### <number>",
+            context="", choices=None, answer=None, reference="2 + 3 = 5\n#### 5", category="gsm8k")
+NLL_QUERIES = [MMLU, DOLLY, DOLLY2, GSM]
+
+
+def test_shuffled_partners_is_a_deterministic_derangement():
+    for n in range(2, 40):
+        p = peer.shuffled_partners(n)
+        assert sorted(p) == list(range(n))  # a permutation of the chunk
+        assert all(p[k] != k for k in range(n))  # never a query's own cache
+        assert p == peer.shuffled_partners(n) == [(k + 1) % n for k in range(n)]
+    for n in (0, 1):
+        with pytest.raises(PeerPayloadError, match="at least 2 queries"):
+            peer.shuffled_partners(n)
+
+
+def test_response_nll_equals_the_cross_entropy_computed_directly(models):
+    """Alone: the NLL answer_queries reports is the CE of the reference tokens from one plain
+    forward pass over prompt + response (no cache), computed here by hand."""
+    rows = answer_queries(models["r"], models["rt"], NLL_QUERIES, max_prompt_tokens=MAX_PROMPT,
+                          max_new_tokens=MAX_NEW, nll_max_tokens=1000)
+    assert rows[0]["nll"] is None and rows[0]["nll_tokens"] == 0  # MMLU: no reference
+    assert rows[3]["text"] is None and rows[3]["pred"] is None  # GSM8K: scored by NLL only
+    for q, row in zip(NLL_QUERIES[1:], rows[1:]):
+        ids, last = prompt_split(q, models["rt"], MAX_PROMPT)
+        resp = models["rt"](q.reference.strip() + models["rt"].eos_token, add_special_tokens=False)["input_ids"]
+        full = torch.tensor([ids + [last] + resp])
+        logp = torch.log_softmax(models["r"](full).logits[0].float(), dim=-1)
+        start = len(ids)  # position of the last prompt token predicts resp[0]
+        want = -sum(float(logp[start + i, t]) for i, t in enumerate(resp)) / len(resp)
+        assert row["nll_tokens"] == len(resp) > 2
+        assert row["nll"] == pytest.approx(want, rel=1e-4)
+    cut = answer_queries(models["r"], models["rt"], [DOLLY], max_prompt_tokens=MAX_PROMPT,
+                         max_new_tokens=MAX_NEW, nll_max_tokens=2)
+    assert cut[0]["nll_tokens"] == 2
+    off = answer_queries(models["r"], models["rt"], [DOLLY], max_prompt_tokens=MAX_PROMPT, max_new_tokens=MAX_NEW)
+    assert off[0]["nll"] is None and off[0]["text"] == rows[1]["text"]  # NLL off: the answer is unchanged
+
+
+def test_fused_response_nll_is_the_fusers_training_loss(models):
+    """With a fuser: response_nll on the fused prompt cache equals train.pair_loss of the same
+    row as a training example (float sharer cache on both sides)."""
+    from edgefuse.c2c.examples import build_pair_example
+    from edgefuse.c2c.train import pair_loss
+
+    fuser = make_fuser(models["r"], models["s"], gate_init=1.0, randomize=True, seed=7)
+    for q in (DOLLY, DOLLY2):
+        row = {"instruction": q.instruction, "context": q.context, "response": q.reference}
+        ex = build_pair_example(row, models["rt"], models["st"], 1000)
+        qex = pair_example(q, models["rt"], models["st"], MAX_PROMPT)
+        assert (qex.receiver_prompt_ids, qex.mapping) == (ex.receiver_prompt_ids, ex.mapping)
+        resp = peer.response_ids(q, models["rt"], 1000)
+        assert [qex.continuation_ids[0]] + resp == ex.continuation_ids
+        fused = fuser(prefill(models["r"], ex.receiver_prompt_ids), prefill(models["s"], ex.sharer_prompt_ids),
+                      ex.mapping)
+        got, n = peer.response_nll(models["r"], fused, ex.continuation_ids[0], resp)
+        want, m = pair_loss(fuser, models["r"], models["s"], ex)
+        assert n == m == len(resp) and got == pytest.approx(float(want), rel=1e-5)
+        alone, _ = peer.response_nll(models["r"], prefill(models["r"], ex.receiver_prompt_ids),
+                                     ex.continuation_ids[0], resp)
+        assert abs(alone - got) > 1e-3  # the open fuser changes the loss
+
+
+def test_zero_and_shuffled_controls_feed_what_they_say(models):
+    """The same fuser fed the received cache, zeros of its shapes, or the next query's cache:
+    three different NLLs, each equal to fusing that input by hand."""
+    queries = [DOLLY, DOLLY2, GSM]
+    payloads = _kv_payloads(models, queries)
+    fuser = make_fuser(models["r"], models["s"], gate_init=1.0, randomize=True, seed=11)
+    kw = dict(max_prompt_tokens=MAX_PROMPT, max_new_tokens=MAX_NEW, nll_max_tokens=1000)
+    got = {c: answer_queries(models["r"], models["rt"], queries, **kw,
+                             sharers=[{"fuser": fuser, "tok": models["st"], "payloads": payloads, "control": c}])
+           for c in ("none", "zero", "shuffled")}
+    partners, lengths = peer.shuffled_partners(len(queries)), set()
+    for k, q in enumerate(queries):
+        ex = pair_example(q, models["rt"], models["st"], MAX_PROMPT)
+        cache = prefill(models["r"], ex.receiver_prompt_ids)
+        own, other = decode_kv_cache(payloads[k].body), decode_kv_cache(payloads[partners[k]].body)
+        zero = decode_kv_cache(payloads[k].body)
+        for layer in zero.layers:
+            layer.keys, layer.values = torch.zeros_like(layer.keys), torch.zeros_like(layer.values)
+        ts, tp = own.get_seq_length(), other.get_seq_length()
+        lengths.add(ts)
+        inputs = {"none": (own, ex.mapping), "zero": (zero, ex.mapping),
+                  "shuffled": (other, [sorted({j * tp // ts for j in m}) for m in ex.mapping])}
+        resp = peer.response_ids(q, models["rt"], 1000)
+        for control, (s_cache, mapping) in inputs.items():
+            want, _ = peer.response_nll(models["r"], fuser(cache, s_cache, mapping), ex.continuation_ids[0], resp)
+            assert got[control][k]["nll"] == pytest.approx(want, rel=1e-5), (q.qid, control)
+        values = [got[c][k]["nll"] for c in ("none", "zero", "shuffled")]
+        assert min(abs(a - b) for a, b in ((values[0], values[1]), (values[0], values[2]), (values[1], values[2]))) > 1e-4
+    assert len(lengths) == len(queries)  # the prompts differ in length: the mapping is rescaled
+    with pytest.raises(PeerPayloadError, match="at least 2 queries"):
+        answer_queries(models["r"], models["rt"], queries[:1], **kw,
+                       sharers=[{"fuser": fuser, "tok": models["st"], "payloads": payloads[:1], "control": "shuffled"}])

@@ -182,3 +182,109 @@ def test_load_queries_tiny_config():
     assert len({q.category for q in dd}) == 8 and all(q.reference for q in dd)
     assert all(q.qid.startswith("mmlu/test/") for q in mm) and all(q.qid.startswith("dolly/") for q in dd)
     assert [q.qid for q in load_queries(cfg)] == [q.qid for q in qs]  # seeded
+
+
+# ---------------------------------------------------------------- NLL, controls, power
+
+
+def gsm(qid, reference):
+    return Query(qid=qid, kind="gsm8k", instruction="2 + 2?", context="", choices=None, answer=None,
+                 reference=reference, category="gsm8k")
+
+
+def nll_row(mode, nlls, sharers=("s",), mmlu_preds=()):
+    """A scored row: Dolly d0, d1 and GSM8K g0 with the given NLLs (None: not scored), and
+    MMLU items m<i> whose answer is 0, predicted as given."""
+    queries = [dolly("d0", "x"), dolly("d1", "y"), gsm("g0", "4")] + [mmlu(f"m{i}", 0) for i in range(len(mmlu_preds))]
+    results = [dict(result(q, text="x", latency=1.0, sent=0), nll=v) for q, v in zip(("d0", "d1", "g0"), nlls)]
+    results += [result(f"m{i}", pred=p, latency=1.0, sent=0) for i, p in enumerate(mmlu_preds)]
+    return _score("r", [] if mode == "alone" else list(sharers), mode, queries, results)
+
+
+def test_paired_difference_on_a_hand_made_list():
+    from edgefuse.eval.stats import paired_difference
+
+    d = paired_difference([1.0, 2.0, 3.0, 4.0], [0.0, 2.0, 5.0, 4.0])
+    assert d.value == pytest.approx((1 + 0 - 2 + 0) / 4) and d.n == 4
+    assert -2.0 <= d.low <= d.value <= d.high <= 1.0  # within the extreme per-item differences
+    same = paired_difference([0.5, 0.7], [0.5, 0.7])
+    assert (same.value, same.low, same.high) == (0.0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="same items"):
+        paired_difference([1.0], [1.0, 2.0])
+
+
+def test_nll_rows_hand_computed_paired_with_alone_and_each_control():
+    alone = nll_row("alone", [2.0, 3.0, 1.0])
+    c2c = nll_row("c2c", [1.5, 3.5, 0.5])
+    zero = nll_row("c2c_zero", [2.0, 3.0, None])  # g0 not scored: pairs on d0, d1 only
+    shuf = nll_row("c2c_shuffled", [1.0, 4.0, 1.0])
+    other = nll_row("c2c_zero", [9.0, 9.0, 9.0], sharers=("t",))  # another sharer's control
+    assert (alone["n_nll"], alone["n_dolly"], alone["n_gsm8k"]) == (3, 2, 1)
+    assert alone["nll"] == pytest.approx(2.0) and alone["nll_ci95_low"] <= 2.0 <= alone["nll_ci95_high"]
+    assert zero["n_nll"] == 2 and zero["nll"] == pytest.approx(2.5)
+    rows = _paired_with_alone([alone, c2c, zero, shuf, other])
+    by = {(r["mode"], tuple(r["sharers"])): r for r in rows}
+    c = by[("c2c", ("s",))]
+    assert c["nll_vs_alone"] == pytest.approx((-0.5 + 0.5 - 0.5) / 3) and c["nll_vs_alone_n"] == 3
+    assert c["nll_vs_zero"] == pytest.approx((-0.5 + 0.5) / 2) and c["nll_vs_zero_n"] == 2
+    assert c["nll_vs_shuffled"] == pytest.approx((0.5 - 0.5 - 0.5) / 3) and c["nll_vs_shuffled_n"] == 3
+    assert c["nll_vs_shuffled_ci95_low"] <= c["nll_vs_shuffled"] <= c["nll_vs_shuffled_ci95_high"]
+    assert by[("c2c_zero", ("s",))]["nll_vs_alone"] == pytest.approx(0.0)
+    assert "nll_vs_zero" not in by[("c2c_zero", ("s",))] and "nll_vs_zero" not in by[("alone", ())]
+    assert all("_items" not in r for r in rows)
+
+
+def test_mmlu_power_fields_and_notes():
+    # receiver alone 8/8 right: Wilson low 0.676 > 0.25, above chance; c2c gets 6/8
+    rows = _paired_with_alone([nll_row("alone", [1, 1, 1], mmlu_preds=[0] * 8),
+                               nll_row("c2c", [1, 1, 1], mmlu_preds=[0] * 6 + [1] * 2)])
+    alone, c2c = rows
+    assert alone["mmlu_above_chance"] is True and c2c["mmlu_above_chance"] is True
+    assert alone["mmlu_resolvable_difference"] is None and "note" not in alone
+    half = (c2c["mmlu_acc_vs_alone_ci95_high"] - c2c["mmlu_acc_vs_alone_ci95_low"]) / 2
+    assert c2c["mmlu_resolvable_difference"] == pytest.approx(half) and half > 0.03
+    assert c2c["note"] == (f"r c2c: n=8 MMLU items cannot resolve a 3-point difference (paired 95 % "
+                           f"interval ±{half:.3f}), that needs n >= 129")
+    # 2/8 alone: Wilson low 0.071 <= 0.25, at chance, said on every row of that receiver
+    low = _paired_with_alone([nll_row("alone", [1, 1, 1], mmlu_preds=[0] * 2 + [1] * 6),
+                              nll_row("c2c", [1, 1, 1], mmlu_preds=[0] * 2 + [1] * 6)])
+    assert [r["mmlu_above_chance"] for r in low] == [False, False]
+    assert low[0]["note"] == "r alone is not above chance on MMLU (Wilson low end <= 0.25)"
+    assert low[1]["note"].startswith("r alone is not above chance on MMLU (Wilson low end <= 0.25); r c2c: n=8")
+    assert low[1]["mmlu_resolvable_difference"] == 0.0  # identical answers: a zero-width interval...
+    assert "cannot resolve" in low[1]["note"]  # ...still says n=8 cannot resolve 3 points
+    # n = 200, 140 right alone, one item different: half-width below 0.03 and n >= 129: no note
+    big = _paired_with_alone([nll_row("alone", [1, 1, 1], mmlu_preds=[0] * 140 + [1] * 60),
+                              nll_row("c2c", [1, 1, 1], mmlu_preds=[0] * 141 + [1] * 59)])
+    assert big[1]["mmlu_resolvable_difference"] <= 0.03 and "note" not in big[1] and "note" not in big[0]
+    assert big[0]["mmlu_above_chance"] is True
+
+
+def test_csv_table_and_plot_carry_the_controls_nll_and_notes(tmp_path):
+    rows = _paired_with_alone([nll_row("alone", [2.0, 3.0, 1.0], mmlu_preds=[0, 1]),
+                               nll_row("c2c", [1.5, 3.5, 0.5], mmlu_preds=[0, 0]),
+                               nll_row("c2c_zero", [2.0, 3.0, 1.0], mmlu_preds=[0, 1]),
+                               nll_row("c2c_shuffled", [1.0, 4.0, 1.0], mmlu_preds=[1, 1])])
+    rec = R.RunRecorder(tmp_path / "run", {"seed": 0})
+    rec.add_round({"round": 1})
+    rec.update({"c2c": rows})
+    rec.save()
+    with (tmp_path / "run" / "c2c.csv").open(newline="") as f:
+        table = list(csv.DictReader(f))
+    assert [r["mode"] for r in table] == ["alone", "c2c", "c2c_zero", "c2c_shuffled"]
+    for key in ("nll", "nll_ci95_low", "nll_vs_alone", "nll_vs_zero", "nll_vs_shuffled_ci95_high",
+                "mmlu_above_chance", "mmlu_resolvable_difference", "note", "n_gsm8k", "n_nll"):
+        assert key in c2c_section.C2C_COLUMNS and key in table[0]
+    assert float(table[1]["nll_vs_zero"]) == pytest.approx(-1 / 6) and table[0]["nll_vs_zero"] == ""
+    assert float(table[1]["nll"]) == pytest.approx(11 / 6) and table[1]["n_nll"] == "3"
+    assert "cannot resolve a 3-point difference" in table[1]["note"]
+    from rich.console import Console
+
+    console = Console(width=400, record=True)
+    console.print(c2c_section.c2c_table({"c2c": rows}))
+    text = console.export_text()
+    assert "c2c_shuffled" in text and "-0.167 [" in text  # c2c minus zero, with its interval
+    assert "r alone is not above chance on MMLU" in text  # the notes, once each, in the caption
+    assert text.count("r alone is not above chance on MMLU") == 1
+    assert (tmp_path / "run" / "c2c.png").read_bytes().startswith(PNG_MAGIC)
+    assert c2c_section.C2C_MODE_ORDER.index("c2c_zero") == c2c_section.C2C_MODE_ORDER.index("c2c") + 1

@@ -541,9 +541,9 @@ def _power(rows: list[dict]) -> list[dict]:
     without an alone row with MMLU items). ``mmlu_resolvable_difference``: the half-width
     of the row's paired interval vs alone (``None`` for alone). A paired 95 % interval
     over ``n`` items can exclude zero for a true difference ``d`` only if ``d`` exceeds
-    about ``z·sqrt(d/n)`` (all discordant items going one way), i.e. ``n ≥ z²/d`` ≈ 128 for
+    about ``z·sqrt(d/n)`` (all discordant items going one way), i.e. ``n ≥ z²/d``: 129 for
     3 points; so ``note`` says the row cannot resolve a 3-point difference when
-    ``n_mmlu < 128`` or the half-width exceeds 0.03, and that the receiver is at chance
+    ``n_mmlu < 129`` or the half-width exceeds 0.03, and that the receiver is at chance
     when it is not above it.
     """
     chance = {}
