@@ -3,6 +3,8 @@
     edgefuse models list                  registered models and whether they are cached
     edgefuse models fetch [NAME ...]      download + verify + convert (default: the edge SLMs)
     edgefuse fusers list REGISTRY_DIR     fuser versions in a registry (e.g. <run>/fusers)
+    edgefuse fusers export --registry DIR --version ID --out FILE   one version as one archive
+    edgefuse fusers import --registry DIR FILE    check an exported fuser and register it
     edgefuse run [HYDRA OVERRIDES ...]    the main job: a Flower simulation (`flwr run`)
     edgefuse run --multirun training.lr=1e-4,3e-4   a Hydra sweep, one output folder per job
     edgefuse cloud serve --model NAME [--port 39200 ...]   the cloud LLM service (until SIGINT/SIGTERM)
@@ -71,13 +73,46 @@ def _fusers(argv: list[str]) -> int:
     ls = sub.add_parser("list", help="every fuser version in a registry folder (from the cards; "
                                      "weights are verified when a fuser is loaded)")
     ls.add_argument("registry", help="a registry folder, e.g. outputs/<run>/fusers")
+    ex = sub.add_parser("export", help="write one fuser version as a single archive file "
+                                       "(checked first: a corrupted version is not exported)")
+    ex.add_argument("--registry", required=True, help="the registry folder holding the version")
+    ex.add_argument("--version", required=True, help="the version id (16 hex, see `fusers list`)")
+    ex.add_argument("--out", required=True, help="the archive to write (a .tar)")
+    im = sub.add_parser("import", help="check a fuser archive (members, sizes, card digests, "
+                                       "config hash, shapes, finite values) and register it")
+    im.add_argument("--registry", required=True, help="the registry folder to import into "
+                                                      "(created if missing), e.g. c2c.registry_dir")
+    im.add_argument("archive", help="an archive written by `edgefuse fusers export`")
+    im.add_argument("--cache-dir", default=None, help=CACHE_HELP + "; the card's models must be "
+                    "here (they give the fuser's shapes; nothing is fetched)")
     args = parser.parse_args(argv)
     from pathlib import Path
 
+    from edgefuse.c2c.registry import FuserIntegrityError, FuserRegistry, FuserVersionError
+
+    if args.cmd in ("export", "import"):
+        reg = FuserRegistry(args.registry)
+        try:
+            if args.cmd == "export":
+                if not reg.root.is_dir():
+                    raise CLIError(f"no registry folder {reg.root}")
+                path = reg.export(reg.find(args.version), args.out)
+                print(f"exported fuser {args.version} to {path}")
+                return 0
+            had = {p.name for p in reg.root.glob("*/*") if p.is_dir()}  # no card is read
+            cache = resolve_paths(cache_dir=args.cache_dir).cache_dir
+            version = reg.import_(args.archive, cache_dir=cache)
+        except FuserVersionError as e:
+            raise CLIError(e) from None
+        except OSError as e:
+            raise CLIError(f"{e.filename or ''}: {e.strerror or e}".lstrip(": ")) from None
+        state = "already in the registry, nothing written" if version.id in had else "imported"
+        print(f"fuser {version.id} ({version.sharer.spec} -> {version.receiver.spec}): {state} "
+              f"({reg.path(version)})")
+        return 0
+
     from rich.console import Console
     from rich.table import Table
-
-    from edgefuse.c2c.registry import FuserIntegrityError, FuserRegistry
 
     root = Path(args.registry)
     if not root.is_dir():

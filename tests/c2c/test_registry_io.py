@@ -406,3 +406,80 @@ def test_other_archive_formats_are_refused(tmp_path, kv):
     refused(tmp_path, archive, "bad header checksum")
     refused(tmp_path, tmp_path / "missing.tar", "cannot read the fuser archive")
     refused(tmp_path, tmp_path, "is not a regular file")
+
+
+# ---------------------------------------------------------------- an imported version is served
+
+
+def test_an_imported_fuser_is_served_cached_and_accepted_by_the_client(tmp_path, kv, monkeypatch):
+    """A fuser trained 'elsewhere' for the run's exact model versions and fuser config, imported
+    into the run's registry: the service reports the pair ``cached`` (no training), serves the
+    imported weights bit for bit, and the receiving client's handler installs it."""
+    import numpy as np
+    from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, Metadata, RecordDict
+    from types import SimpleNamespace
+    import time
+
+    from edgefuse.app.handlers import c2c as handler
+    from edgefuse.c2c import hub
+    from edgefuse.c2c.hub import FuserService, Side, kv_spec
+    from edgefuse.c2c.registry import pack_state
+    from edgefuse.config import compose, lora_targets
+    from edgefuse.lora import attach_lora, get_adapter_state, set_adapter_state
+    from edgefuse.models import tiny_model
+
+    cfg = compose("tiny", ["c2c.fuser.bottleneck=8", f"c2c.registry_dir={tmp_path / 'run'}"])
+    # the receiving client: tiny-llama with a non-zero LoRA adapter, as in a federation
+    model, tok = tiny_model("llama", seed=0)
+    peft = attach_lora(model, rank=4, alpha=16.0, dropout=0.0,
+                       target_modules=lora_targets(cfg, SHARER), seed=0)
+    rng = np.random.default_rng(0)
+    set_adapter_state(peft, {k: (rng.normal(0, 0.05, v.shape).astype(np.float32) if ".lora_B." in k else v)
+                             for k, v in get_adapter_state(peft).items()})
+    client = SimpleNamespace(entry=SimpleNamespace(model=SHARER), slot={"peft": peft, "tok": tok}, cfg=cfg)
+    sides = {SHARER: Side(SHARER, 0, get_adapter_state(peft), 4, 16.0),
+             RECEIVER: Side(RECEIVER, 1, None, 4, 16.0)}
+    pair = (RECEIVER, SHARER)  # tiny-qwen2 shares into the tiny-llama client
+
+    # trained elsewhere: the remote registry holds the version this run will ask for
+    svc = FuserService(cfg, FuserRegistry(cfg.c2c.registry_dir))
+    version = svc.version(sides[RECEIVER], sides[SHARER])
+    fuser = C2CFuser(kv_spec(cfg, SHARER), kv_spec(cfg, RECEIVER), svc.fcfg)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in fuser.parameters():
+            p.copy_(0.01 * torch.randn(p.shape, generator=g))
+    remote = FuserRegistry(tmp_path / "remote")
+    remote.save(fuser, svc.fcfg_dict, version, FuserCard.for_version(
+        version, train_steps=20_000, train_examples=500_000, data="elsewhere", trained_on=ELSEWHERE))
+    remote_state, _, remote_card = remote.load_state(version)
+    archive = remote.export(version, tmp_path / "fuser.tar")
+    assert svc.registry.import_(archive) == version
+
+    def no_training(*a, **kw):
+        raise AssertionError("an imported fuser must not be retrained")
+
+    monkeypatch.setattr(hub, "train_fuser", no_training)
+    monkeypatch.setattr(hub, "load_public_copy", no_training)
+    (row,) = svc.update(sides, [pair], round_idx=3)
+    assert row["action"] == "cached", row.get("reason")
+    assert row["version"] == version.id and row["train_steps"] == 20_000
+    assert row["params"] == remote_card.params == fuser.num_parameters()
+
+    # what the server sends (edgefuse.app.phases.c2c): the imported weights, bit for bit
+    state, config, card = svc.registry.load_state(version)
+    assert card == remote_card and card.trained_on == ELSEWHERE
+    assert all(torch.equal(state[k], remote_state[k]) for k in remote_state)
+    packed, index = pack_state(state)
+    meta = {"card": card.to_json(), "config": config, "index": index,
+            "receiver_kv": kv_spec(cfg, SHARER).to_dict(), "sharer_kv": kv_spec(cfg, RECEIVER).to_dict()}
+    content = RecordDict({"c2c": ConfigRecord({"sharers": [RECEIVER], f"meta.{RECEIVER}": json.dumps(meta)}),
+                          f"fuser.{RECEIVER}": ArrayRecord({k: Array(v) for k, v in packed.items()})})
+    msg = Message(content=content, metadata=Metadata(
+        run_id=1, message_id="", src_node_id=0, dst_node_id=1, reply_to_message_id="", group_id="",
+        created_at=time.time(), ttl=60.0, message_type="query.fusers"))
+    ctx = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
+    assert handler.install_fusers(msg, ctx, client)["installed"] == [RECEIVER]
+    installed, got_card = handler.load_fuser(ctx, client, RECEIVER)
+    assert got_card == remote_card
+    assert all(torch.equal(installed.state_dict()[k], remote_state[k]) for k in remote_state)
