@@ -29,6 +29,13 @@ match the sha256 the card recorded at save time, or does not parse, raises
 :class:`FuserIntegrityError` (a :class:`FuserVersionError`): catching ``FuserVersionError``
 catches every "do not apply this fuser".
 
+Import / export: :meth:`FuserRegistry.export` writes one version as a POSIX ustar archive of
+exactly its three files; :meth:`FuserRegistry.import_` registers such an archive (e.g. a
+fuser trained on a GPU machine) only after checking the archive's structure and sizes, the
+card, the config and the weights against a reference fuser built from the card's model
+specs; an imported version whose models and config are a run's is then served as
+``cached`` (:mod:`edgefuse.c2c.hub`). Refusals raise :class:`FuserArchiveError`.
+
 Retraining rule (:func:`needs_retrain`): retrain a pair's fuser when the relative change of
 the adapters' effective update ``ΔW = B A``, over all modules together, exceeds a threshold
 (default 5 %), or when an adapter appears, disappears or changes structure. Why: the fuser
