@@ -28,9 +28,10 @@ results.json schema (an interface; keep stable)::
                   "version": str, "train_steps": int, "action": "trained"|"carried_over"|"cached",
                   "round": int, "train_seconds": float, "val_loss": float|None,
                   "alone_val_loss": float|None, "download": str}],
-      "c2c": [{"receiver": str, "sharers": [str], "mode": "alone"|"t2t"|"c2c"|"co_c2c"|"multi",
-               "n": int, "mmlu_acc": float|None, "rougeL": float|None,
-               "latency_ms": float|None, "bytes_sent": float|None, ...breakdowns}],
+      "c2c": [{"receiver": str, "sharers": [str], "mode": "alone"|"t2t"|"c2c"|"c2c_zero"|
+               "c2c_shuffled"|"co_c2c"|"multi", "n": int, "mmlu_acc": float|None,
+               "rougeL": float|None, "nll": float|None, "latency_ms": float|None,
+               "bytes_sent": float|None, ...intervals, paired differences, breakdowns}],
       "decoding": [{"mode": "edge"|"cloud"|"spec_sync"|"spec_async"|"fusion_static"|
                     "fusion_adaptive", "rtt_ms": float, "devices": int, "tokens_per_s": float,
                     "round_trips_per_token": float, "bytes_down_per_token": float,
