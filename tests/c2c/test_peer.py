@@ -415,6 +415,10 @@ def test_zero_and_shuffled_controls_feed_what_they_say(models):
     queries = [DOLLY, DOLLY2, GSM]
     payloads = _kv_payloads(models, queries)
     fuser = make_fuser(models["r"], models["s"], gate_init=1.0, randomize=True, seed=11)
+    with torch.no_grad():  # a strong fuser: the sharer input moves the loss well past float noise
+        for layer in fuser.layers.values():
+            for branch in (layer.key, layer.value):
+                branch.up.weight.mul_(20.0)
     kw = dict(max_prompt_tokens=MAX_PROMPT, max_new_tokens=MAX_NEW, nll_max_tokens=1000)
     got = {c: answer_queries(models["r"], models["rt"], queries, **kw,
                              sharers=[{"fuser": fuser, "tok": models["st"], "payloads": payloads, "control": c}])
@@ -434,9 +438,9 @@ def test_zero_and_shuffled_controls_feed_what_they_say(models):
         resp = peer.response_ids(q, models["rt"], 1000)
         for control, (s_cache, mapping) in inputs.items():
             want, _ = peer.response_nll(models["r"], fuser(cache, s_cache, mapping), ex.continuation_ids[0], resp)
-            assert got[control][k]["nll"] == pytest.approx(want, rel=1e-5), (q.qid, control)
+            assert got[control][k]["nll"] == pytest.approx(want, abs=1e-6), (q.qid, control)
         values = [got[c][k]["nll"] for c in ("none", "zero", "shuffled")]
-        assert min(abs(a - b) for a, b in ((values[0], values[1]), (values[0], values[2]), (values[1], values[2]))) > 1e-4
+        assert min(abs(a - b) for a, b in ((values[0], values[1]), (values[0], values[2]), (values[1], values[2]))) > 1e-3
     assert len(lengths) == len(queries)  # the prompts differ in length: the mapping is rescaled
     with pytest.raises(PeerPayloadError, match="at least 2 queries"):
         answer_queries(models["r"], models["rt"], queries[:1], **kw,
