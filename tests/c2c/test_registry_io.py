@@ -278,13 +278,15 @@ def test_a_model_this_machine_does_not_hold_is_refused_without_fetching(tmp_path
 def test_a_card_without_save_record_or_inconsistent_is_refused(tmp_path, kv):
     archive, _, _ = exported(tmp_path, kv)
     m = members(archive)
+    # the last: the file's sha256 is right but the state digest clients check is not
     for i, edit in enumerate(({"weights_sha256": ""}, {"version_id": "0" * 16},
-                              {"format_version": FORMAT_VERSION + 1})):
+                              {"format_version": FORMAT_VERSION + 1}, {"state_sha256": "0" * 64})):
         c = dict(json.loads(m["card.json"]), **edit)
         bad = build(tmp_path / f"c{i}.tar", [("card.json", json.dumps(c).encode()),
                                              ("config.json", m["config.json"]),
                                              ("fuser.safetensors", m["fuser.safetensors"])])
-        refused(tmp_path, bad, ("no registry save record", "card edited", "upgrade edgefuse")[i])
+        refused(tmp_path, bad, ("no registry save record", "card edited", "upgrade edgefuse",
+                                "state digest .* differs from the card's")[i], FuserIntegrityError)
     nan_card = m["card.json"].replace(b'"val_loss": 2.1', b'"val_loss": NaN')
     assert nan_card != m["card.json"]
     refused(tmp_path, build(tmp_path / "n.tar", [("card.json", nan_card), ("config.json", m["config.json"]),
