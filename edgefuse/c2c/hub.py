@@ -21,7 +21,7 @@ Public rows: the ``fuser_train`` slice of the public split trains the fusers and
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from logging import INFO
 
 import numpy as np
@@ -36,6 +36,7 @@ from .fuser import C2CFuser, FuserConfig, kv_spec_from_config
 from .registry import (FuserCard, FuserRegistry, FuserVersion, FuserVersionError, ModelVersion,
                        adapter_change, adapter_hash, config_hash)
 from .examples import build_pair_examples
+from .prefill import PrefillStore, Prefiller
 from .train import evaluate_pair, train_fuser
 
 MODES = ("alone", "t2t", "c2c", "co_c2c", "multi", "c2c_zero", "c2c_shuffled")  # c2c.eval.modes
@@ -144,9 +145,9 @@ def fuser_config(cfg) -> FuserConfig:
         raise ConfigError(f"c2c.fuser: {e}") from None
 
 
-def load_public_copy(cfg, side: Side):
+def load_public_copy(cfg, side: Side, device: torch.device | str = "cpu"):
     """The server's copy of a client's model: base weights + that client's adapter, frozen,
-    in eval mode. Returns ``(model, tokenizer)``."""
+    in eval mode, on ``device``. Returns ``(model, tokenizer)``."""
     model, tok = load_model(side.model, root=cfg.paths.cache_dir)
     if side.state is not None:
         model = attach_lora(model, rank=side.rank, alpha=side.alpha, dropout=0.0,
@@ -154,7 +155,7 @@ def load_public_copy(cfg, side: Side):
         set_adapter_state(model, side.state)
     model.eval()
     model.requires_grad_(False)
-    return model, tok
+    return model.to(device), tok
 
 
 class FuserService:
@@ -190,8 +191,28 @@ class FuserService:
                                 if name == "fuser_train" else self._slices.rows(name))
         return self._rows[name]
 
-    def version(self, sharer: Side, receiver: Side) -> FuserVersion:
-        return FuserVersion(sharer.version(), receiver.version(), config_hash(self.fcfg_dict))
+    def fuser_config(self, control: str = "none") -> FuserConfig:
+        """The run's fuser config, with ``sharer_control=control``."""
+        return replace(self.fcfg, sharer_control=control)
+
+    def version(self, sharer: Side, receiver: Side, control: str = "none") -> FuserVersion:
+        """The registry version of the pair's fuser (a control's config hashes differently)."""
+        return FuserVersion(sharer.version(), receiver.version(),
+                            config_hash(self.fuser_config(control).to_dict()))
+
+    def controls(self) -> list[str]:
+        """The fusers trained per pair: ``none`` (the real one), then ``zero`` and ``shuffled``
+        when ``c2c.eval.controls`` is true and ``c2c`` is evaluated."""
+        ev = self.cfg.c2c.eval
+        on = bool(ev.get("controls", False)) and "c2c" in list(ev.modes)
+        return ["none", "zero", "shuffled"] if on else ["none"]
+
+    def prefill_store(self) -> PrefillStore:
+        """The prompt-cache store (:mod:`edgefuse.c2c.prefill`): ``c2c.train.prefill_dir``,
+        else ``<registry>/.prefill``, in ``c2c.train.prefill_dtype``."""
+        t = self.cfg.c2c.train
+        root = t.get("prefill_dir") or (self.registry.root / ".prefill")
+        return PrefillStore(root, str(t.get("prefill_dtype", "float32")))
 
     def update(self, sides: dict[str, Side], pairs: list[tuple[str, str]], round_idx: int) -> list[dict]:
         """Bring the fuser of every pair up to date with ``sides`` (see the module docstring).
@@ -204,51 +225,57 @@ class FuserService:
         Returns:
             One row per pair: ``sharer``, ``receiver``, ``params``, ``bytes``, ``version``,
             ``train_steps``, ``action``, ``train_seconds``, ``val_loss`` (fused),
-            ``alone_val_loss``, ``round``; ``action == "failed"`` with a ``reason`` for a
-            pair that could not be trained (the others go on).
+            ``alone_val_loss``, ``round``, ``control`` (``none``; with the controls on, each
+            pair also gets a ``zero`` and a ``shuffled`` row, trained with the same budget);
+            ``action == "failed"`` with a ``reason`` for a fuser that could not be trained
+            (the others go on).
         """
         t = self.cfg.c2c.train
         models: dict[str, tuple] = {}
 
+        device = train_device(t)
+
         def get(name: str):
             if name not in models:
-                models[name] = load_public_copy(self.cfg, sides[name])
+                models[name] = load_public_copy(self.cfg, sides[name], device)
             return models[name]
 
         threads = torch.get_num_threads()
-        torch.set_num_threads(max(1, int(t.threads)))
+        torch.set_num_threads(train_threads(t))
         rows = []
+        store = self.prefill_store()
         try:
-            for s_name, r_name in pairs:
+            for (s_name, r_name), control in ((p, c) for p in pairs for c in self.controls()):
                 sharer, receiver = sides[s_name], sides[r_name]
-                version = self.version(sharer, receiver)
-                row = {"sharer": s_name, "receiver": r_name, "version": version.id,
+                version = self.version(sharer, receiver, control)
+                row = {"sharer": s_name, "receiver": r_name, "control": control, "version": version.id,
                        "round": round_idx, "train_seconds": 0.0}
-                prev = self._trained.get((s_name, r_name))
+                prev = self._trained.get((s_name, r_name, control))
                 try:
                     card = self._existing(version)
                     if card is not None:
                         row.update(action="cached", train_steps=card.train_steps)
                     elif prev is not None and self._small_change(prev, sharer, receiver):
-                        card = self._carry_over(prev, version, sharer, receiver)
+                        card = self._carry_over(prev, version, sharer, receiver, control)
                         row.update(action="carried_over", train_steps=card.train_steps)
                     else:
-                        card, secs = self._train(version, sharer, receiver, get, prev)
+                        card, secs = self._train(version, sharer, receiver, get, prev, control, store)
                         row.update(action="trained", train_steps=card.train_steps, train_seconds=secs)
                 except Exception as e:  # one pair failing must not cost the others
-                    _log("c2c: fuser %s -> %s failed: %s: %s", s_name, r_name, type(e).__name__, e)
+                    _log("c2c: fuser %s -> %s (control %s) failed: %s: %s", s_name, r_name, control,
+                         type(e).__name__, e)
                     row.update(action="failed", reason=f"{type(e).__name__}: {e}", train_steps=0,
                                params=None, bytes=None, val_loss=None, alone_val_loss=None)
                     rows.append(row)
                     continue
-                self._trained[(s_name, r_name)] = (version, self.registry.load_state(version)[0],
-                                                   sharer.state, receiver.state)
+                self._trained[(s_name, r_name, control)] = (version, self.registry.load_state(version)[0],
+                                                            sharer.state, receiver.state)
                 row.update(params=card.params, bytes=card.bytes,
                            val_loss=card.scores.get("val_loss"),
                            alone_val_loss=card.scores.get("alone_val_loss"))
-                _log("c2c: fuser %s -> %s %s (version %s, %d params, val loss %s vs alone %s)",
-                     s_name, r_name, row["action"], version.id, card.params,
-                     _fmt(row["val_loss"]), _fmt(row["alone_val_loss"]))
+                _log("c2c: fuser %s -> %s %s%s (version %s, %d params, val loss %s vs alone %s)",
+                     s_name, r_name, row["action"], "" if control == "none" else f" (control {control})",
+                     version.id, card.params, _fmt(row["val_loss"]), _fmt(row["alone_val_loss"]))
                 rows.append(row)
         finally:
             torch.set_num_threads(threads)
@@ -269,10 +296,12 @@ class FuserService:
         _, _, s_old, r_old = prev
         return adapter_change(s_old, sharer.state) <= thr and adapter_change(r_old, receiver.state) <= thr
 
-    def _carry_over(self, prev, version: FuserVersion, sharer: Side, receiver: Side) -> FuserCard:
+    def _carry_over(self, prev, version: FuserVersion, sharer: Side, receiver: Side,
+                    control: str = "none") -> FuserCard:
         old_version, state, s_old, r_old = prev
         old_card = self.registry.load_state(old_version)[2]
-        fuser = C2CFuser(kv_spec(self.cfg, receiver.model), kv_spec(self.cfg, sharer.model), self.fcfg)
+        fcfg = self.fuser_config(control)
+        fuser = C2CFuser(kv_spec(self.cfg, receiver.model), kv_spec(self.cfg, sharer.model), fcfg)
         fuser.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()})
         note = (f"carried over from {old_version.id}: adapter change sharer "
                 f"{adapter_change(s_old, sharer.state):.4f}, receiver "
@@ -280,11 +309,13 @@ class FuserService:
                 f"{float(self.cfg.c2c.train.retrain_threshold)}")
         card = FuserCard.for_version(version, train_steps=old_card.train_steps,
                                      train_examples=old_card.train_examples,
-                                     data=f"{old_card.data}; {note}", scores=old_card.scores)
-        self.registry.save(fuser, self.fcfg_dict, version, card)
+                                     data=f"{old_card.data}; {note}", scores=old_card.scores,
+                                     trained_on=old_card.trained_on or None)
+        self.registry.save(fuser, fcfg.to_dict(), version, card)
         return self.registry.load_state(version)[2]
 
-    def _train(self, version: FuserVersion, sharer: Side, receiver: Side, get, prev):
+    def _train(self, version: FuserVersion, sharer: Side, receiver: Side, get, prev,
+               control: str = "none", store: PrefillStore | None = None):
         t = self.cfg.c2c.train
         r_model, r_tok = get(receiver.model)
         s_model, s_tok = get(sharer.model)
@@ -292,26 +323,82 @@ class FuserService:
         max_len = int(t.max_seq_len)
         examples = build_pair_examples(train_rows, r_tok, s_tok, max_len)
         val = build_pair_examples(val_rows, r_tok, s_tok, max_len)
-        fuser = C2CFuser(kv_spec_from_config(r_model.config), kv_spec_from_config(s_model.config),
-                         self.fcfg)
+        fcfg = self.fuser_config(control)
+        fuser = C2CFuser(kv_spec_from_config(r_model.config), kv_spec_from_config(s_model.config), fcfg)
+        fuser.to(_device(r_model))
         if prev is not None:  # warm start from the pair's previous weights
             fuser.load_state_dict({k: torch.as_tensor(v) for k, v in prev[1].items()})
+        prefills = {"receiver_prefill": Prefiller(r_model, _model_key(receiver), store),
+                    "sharer_prefill": Prefiller(s_model, _model_key(sharer), store)}
+        amp = use_amp(t, _device(r_model))
         ckpt = self.registry.root / ".checkpoints" / f"{sharer.model}__to__{receiver.model}" / version.id
         stats = train_fuser(fuser, r_model, s_model, examples, steps=int(t.steps),
                             batch_size=int(t.batch_size), lr=float(t.lr), seed=int(self.cfg.seed),
                             checkpoint_dir=ckpt, checkpoint_every=max(1, int(t.steps) // 3),
-                            progress=True)
-        scores = {"val_loss": None, "alone_val_loss": None, "train_last_loss": stats["last_loss"]}
+                            progress=True, micro_batch=int(t.get("micro_batch", 8)),
+                            length_group=int(t.get("length_group", 0)), amp=amp, **prefills)
+        scores = {"val_loss": None, "alone_val_loss": None, "train_last_loss": stats["last_loss"],
+                  "train_examples_per_s": stats["examples_per_s"]}
         if val:
-            scores["val_loss"] = evaluate_pair(fuser, r_model, s_model, val, gate="on")["loss"]
-            scores["alone_val_loss"] = evaluate_pair(fuser, r_model, s_model, val, gate="off")["loss"]
+            scores["val_loss"] = evaluate_pair(fuser, r_model, s_model, val, gate="on", amp=amp,
+                                               seed=int(self.cfg.seed), **prefills)["loss"]
+            scores["alone_val_loss"] = evaluate_pair(fuser, r_model, s_model, val, gate="off", amp=amp,
+                                                     **prefills)["loss"]
+        sources = sorted({str(r.get("source", "dolly_public")) for r in train_rows})
+        what = "" if control == "none" else f"; control: {control} sharer (not the prompt's own cache)"
         card = FuserCard.for_version(
             version, train_steps=int(t.steps), train_examples=len(examples),
-            data=(f"Dolly public split (held by no client): {len(examples)} training prompts, "
-                  f"{len(val)} validation prompts, max_seq_len {max_len}"), scores=scores)
-        self.registry.save(fuser, self.fcfg_dict, version, card)
+            data=(f"public training data held by no client ({', '.join(sources)}): {len(examples)} "
+                  f"training prompts, {len(val)} validation prompts, max_seq_len {max_len}{what}"),
+            scores=scores)
+        fuser.to("cpu")
+        self.registry.save(fuser, fcfg.to_dict(), version, card)
         _remove_tree(ckpt)
         return self.registry.load_state(version)[2], stats["seconds"]
+
+
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _model_key(side: Side) -> str:
+    """A model version's name in the prefill store: ``<spec>@<adapter hash>``."""
+    return f"{side.model}@{adapter_hash(side.state)}"
+
+
+def train_threads(t) -> int:
+    """``c2c.train.threads``: a count, or ``auto`` (every core the process may use)."""
+    import os
+
+    value = t.get("threads", "auto")
+    if str(value) == "auto":
+        return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    return max(1, int(value))
+
+
+def train_device(t) -> torch.device:
+    """``c2c.train.device``: ``auto`` (CUDA when torch sees one, else the CPU), ``cpu``, ``cuda``.
+
+    Raises:
+        ConfigError: ``cuda`` asked for and not available, or an unknown value.
+    """
+    value = str(t.get("device", "auto"))
+    if value == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if value == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("c2c.train.device=cuda but torch sees no CUDA device: use auto or cpu")
+    if value not in ("cpu", "cuda"):
+        raise ConfigError(f"c2c.train.device must be auto, cpu or cuda, got {value!r}")
+    return torch.device(value)
+
+
+def use_amp(t, device: torch.device) -> bool:
+    """bfloat16 autocast for the receiver's forward: ``c2c.train.amp`` ``auto`` means on CUDA
+    with bfloat16 support (the fuser's weights, the caches and the loss stay float32)."""
+    value = str(t.get("amp", "auto"))
+    if value == "auto":
+        return device.type == "cuda" and torch.cuda.is_bf16_supported()
+    return value in ("true", "True", "1", "bf16") and device.type == "cuda"
 
 
 def train_multi_gate(cfg, service: FuserService, sides: dict[str, Side], receiver: str,

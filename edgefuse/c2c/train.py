@@ -44,7 +44,7 @@ from __future__ import annotations
 import re
 import time
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,8 +55,11 @@ import torch.nn.functional as F
 from edgefuse.data import IGNORE_INDEX
 from edgefuse.io import atomic_write_bytes
 
+from transformers import DynamicCache
+
 from .examples import PairExample
-from .fuser import fused_forward
+from .fuser import control_sharer, fused_forward
+from .prefill import Prefiller
 
 CHECKPOINT_FORMAT = "edgefuse-fuser-train/1"
 _CKPT_RE = re.compile(r"^step-(\d+)\.pt$")
@@ -79,8 +82,111 @@ def _continuation_loss(logits: torch.Tensor, labels: list[int]) -> tuple[torch.T
     return loss, int((target != IGNORE_INDEX).sum())
 
 
+def _prefillers(receiver_model, sharer_model, receiver_prefill, sharer_prefill):
+    return (receiver_prefill or Prefiller(receiver_model), sharer_prefill or Prefiller(sharer_model))
+
+
+def shuffled_partners(n: int, seed: int) -> list[int]:
+    """A derangement of ``range(n)`` (no item is its own partner when ``n >= 2``), a pure
+    function of ``(n, seed)``: item ``p[k]`` of a random permutation ``p`` takes ``p[k+1]``'s
+    sharer cache (cyclically). The shuffled-sharer control feeds item ``i`` the sharer cache
+    of ``partners[i]``."""
+    perm = np.random.default_rng([seed, 7]).permutation(n)
+    out = [0] * n
+    for k, i in enumerate(perm):
+        out[int(i)] = int(perm[(k + 1) % n])
+    return out
+
+
+def _fuse_inputs(fuser, examples: list[PairExample], index: list[int], r_pre, s_pre, partners):
+    """Per example: the receiver's prompt cache and the (control's) sharer cache + mapping."""
+    control = fuser.config.sharer_control
+    out = []
+    for i in index:
+        ex = examples[i]
+        r_cache = r_pre(ex.receiver_prompt_ids)
+        s_cache = s_pre(ex.sharer_prompt_ids)
+        partner = None
+        if control == "shuffled":
+            if partners is None:
+                raise ValueError("the shuffled-sharer control needs partners (shuffled_partners)")
+            partner = s_pre(examples[partners[i]].sharer_prompt_ids)
+        s_cache, mapping = control_sharer(control, s_cache, ex.mapping, partner)
+        out.append((r_cache, s_cache, mapping))
+    return out
+
+
+def _stack_left_padded(caches: list, config) -> DynamicCache | None:
+    """One ``[B, H, Tmax, D]`` cache from ``B`` batch-1 prompt caches, each left-padded with
+    zeros; ``None`` when a sliding-window layer dropped prompt tokens (then the prompts
+    cannot share one padded time axis)."""
+    lengths = [c.get_seq_length() for c in caches]
+    tmax = max(lengths)
+    if any(layer.keys.shape[2] != t for c, t in zip(caches, lengths) for layer in c.layers):
+        return None
+    out = DynamicCache(config=config)
+    if len(out.layers) != len(caches[0].layers):
+        return None
+    for i in range(len(out.layers)):
+        keys = torch.cat([F.pad(c.layers[i].keys, (0, 0, tmax - t, 0)) for c, t in zip(caches, lengths)])
+        values = torch.cat([F.pad(c.layers[i].values, (0, 0, tmax - t, 0)) for c, t in zip(caches, lengths)])
+        out.update(keys, values, i)
+    return out
+
+
+def batch_losses(receiver_model, caches: list, examples: list[PairExample], amp: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed response CE of each example, given its (fused) prompt cache, in one forward.
+
+    The ``B`` caches are left-padded onto one time axis, the continuations right-padded;
+    the attention mask hides the padding and each row's positions continue after its own
+    prompt (``T_b + arange(C)``), so every row computes what it would alone (up to float
+    rounding). A batch of one, or prompts a sliding window cut, run one at a time.
+
+    Args:
+        caches: ``B`` batch-1 prompt caches (``T_b`` tokens each), fused or not.
+        examples: the ``B`` examples (their ``continuation_ids`` and ``labels``).
+        amp: run the receiver under bfloat16 autocast (CUDA only; the loss stays float32).
+
+    Returns:
+        ``(loss_sums [B], tokens [B])``: summed CE (nats) and predicted tokens per example.
+    """
+    device = _device(receiver_model)
+    stacked = _stack_left_padded(caches, receiver_model.config) if len(caches) > 1 else None
+    ctx = torch.autocast("cuda", dtype=torch.bfloat16) if amp and device.type == "cuda" else nullcontext()
+    if stacked is None:
+        sums, counts = [], []
+        for cache, ex in zip(caches, examples):
+            with ctx:
+                logits = fused_forward(receiver_model, cache, _ids(ex.continuation_ids, receiver_model), copy=True)
+            loss, n = _continuation_loss(logits, ex.labels)
+            sums.append(loss)
+            counts.append(n)
+        return torch.stack(sums), torch.tensor(counts, device=device)
+    lengths = [c.get_seq_length() for c in caches]
+    tmax, cmax = max(lengths), max(len(ex.continuation_ids) for ex in examples)
+    b = len(examples)
+    ids = torch.zeros(b, cmax, dtype=torch.long, device=device)
+    labels = torch.full((b, cmax), IGNORE_INDEX, dtype=torch.long, device=device)
+    mask = torch.zeros(b, tmax + cmax, dtype=torch.long, device=device)
+    for k, (ex, t) in enumerate(zip(examples, lengths)):
+        c = len(ex.continuation_ids)
+        ids[k, :c] = torch.tensor(ex.continuation_ids, device=device)
+        labels[k, :c] = torch.tensor(ex.labels, device=device)
+        mask[k, tmax - t:tmax + c] = 1
+    positions = torch.tensor(lengths, device=device)[:, None] + torch.arange(cmax, device=device)[None, :]
+    with ctx:
+        logits = receiver_model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                                cache=stacked, use_cache=True).logits
+    target = labels[:, 1:]
+    ce = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), target, ignore_index=IGNORE_INDEX,
+                         reduction="none")
+    return ce.sum(dim=1), (target != IGNORE_INDEX).sum(dim=1)
+
+
 def pair_loss(fuser, receiver_model, sharer_model, ex: PairExample) -> tuple[torch.Tensor, int]:
-    """The receiver's mean CE per response token given the fused prompt cache.
+    """The receiver's mean CE per response token given the fused prompt cache (one example,
+    the real sharer: the query-time computation).
 
     Both prefills run without gradients; the fuser (in whatever mode it is: Gumbel gates
     when training, hard gates in eval) fuses them, and :func:`edgefuse.c2c.fuser.fused_forward`
@@ -99,23 +205,30 @@ def pair_loss(fuser, receiver_model, sharer_model, ex: PairExample) -> tuple[tor
     return loss / max(n, 1), n
 
 
-def _alone_loss(receiver_model, ex: PairExample) -> tuple[torch.Tensor, int]:
-    """The receiver's summed CE on its own prefill cache (no fuser, no sharer), and the count."""
-    cache = receiver_model(_ids(ex.receiver_prompt_ids, receiver_model), use_cache=True).cache
-    logits = fused_forward(receiver_model, cache, _ids(ex.continuation_ids, receiver_model), copy=False)
-    return _continuation_loss(logits, ex.labels)
+def _chunks_by_length(index: list[int], examples: list[PairExample], size: int) -> list[list[int]]:
+    """``index`` sorted by prompt + continuation length (longest first), cut into chunks of
+    ``size``: little padding inside a chunk."""
+    order = sorted(index, key=lambda i: (-(len(examples[i].receiver_prompt_ids)
+                                          + len(examples[i].continuation_ids)), i))
+    return [order[k:k + size] for k in range(0, len(order), size)]
 
 
 @torch.no_grad()
-def evaluate_pair(fuser, receiver_model, sharer_model, examples: list[PairExample], gate: str = "on") -> dict:
+def evaluate_pair(fuser, receiver_model, sharer_model, examples: list[PairExample], gate: str = "on",
+                  receiver_prefill: Prefiller | None = None, sharer_prefill: Prefiller | None = None,
+                  micro_batch: int = 8, seed: int = 0, amp: bool = False) -> dict:
     """Held-out CE per response token over ``examples``.
 
-    ``gate="on"``: with the fuser in eval mode (hard gates, as at inference).
-    ``gate="off"``: the receiver alone, run on its own prefill cache without calling the
-    fuser or the sharer at all (not by trusting a closed gate).
+    ``gate="on"``: with the fuser in eval mode (hard gates, as at inference), fed what its
+    ``sharer_control`` says (a ``shuffled`` fuser reads the sharer cache of
+    ``shuffled_partners(len(examples), seed)``). ``gate="off"``: the receiver alone, run on
+    its own prefill cache without calling the fuser or the sharer at all (not by trusting a
+    closed gate). Prompt caches come from the prefillers (default: computed), ``micro_batch``
+    examples of similar length per forward pass.
 
     Returns:
-        ``{"loss": nats/token, "tokens": count, "examples": len(examples)}``.
+        ``{"loss": nats/token over all tokens, "tokens": count, "examples": len(examples),
+        "per_example": mean nats/token of each example (the items of a paired comparison)}``.
 
     Raises:
         ValueError: ``examples`` is empty or ``gate`` is not ``on``/``off``.
@@ -124,38 +237,60 @@ def evaluate_pair(fuser, receiver_model, sharer_model, examples: list[PairExampl
         raise ValueError(f"gate must be 'on' or 'off', got {gate!r}")
     if not examples:
         raise ValueError("no evaluation examples")
+    r_pre, s_pre = _prefillers(receiver_model, sharer_model, receiver_prefill, sharer_prefill)
+    partners = shuffled_partners(len(examples), seed) if gate == "on" else None
     was_training = fuser.training
     fuser.eval()
-    total, count = 0.0, 0
+    sums, counts = [0.0] * len(examples), [0] * len(examples)
     try:
-        for ex in examples:
+        for chunk in _chunks_by_length(list(range(len(examples))), examples, max(1, micro_batch)):
             if gate == "on":
-                loss, n = pair_loss(fuser, receiver_model, sharer_model, ex)
-                total += float(loss) * n
+                caches = [fuser(r, s, m) for r, s, m in _fuse_inputs(fuser, examples, chunk, r_pre, s_pre, partners)]
             else:
-                loss_sum, n = _alone_loss(receiver_model, ex)
-                total += float(loss_sum)
-            count += n
+                caches = [r_pre(examples[i].receiver_prompt_ids) for i in chunk]
+            loss, n = batch_losses(receiver_model, caches, [examples[i] for i in chunk], amp)
+            for i, l_, c in zip(chunk, loss.tolist(), n.tolist()):
+                sums[i], counts[i] = l_, int(c)
     finally:
         fuser.train(was_training)
-    return {"loss": total / max(count, 1), "tokens": count, "examples": len(examples)}
+    total = sum(counts)
+    return {"loss": sum(sums) / max(total, 1), "tokens": total, "examples": len(examples),
+            "per_example": [x / max(c, 1) for x, c in zip(sums, counts)]}
 
 
 # -------------------------------------------------------------------------- training
 
-def step_indices(n: int, batch_size: int, seed: int, step: int) -> list[int]:
+def _epoch_order(n: int, seed: int, epoch: int, lengths: list[int] | None, batch_size: int,
+                 group: int) -> np.ndarray:
+    perm = np.random.default_rng([seed, epoch]).permutation(n)
+    if lengths is None or group <= 1 or batch_size <= 1:
+        return perm
+    mega, blocks = batch_size * group, []
+    for k in range(0, n, mega):
+        chunk = sorted(perm[k:k + mega].tolist(), key=lambda i: -lengths[i])
+        blocks += [chunk[j:j + batch_size] for j in range(0, len(chunk), batch_size)]
+    order = np.random.default_rng([seed, epoch, 3]).permutation(len(blocks))
+    return np.array([i for b in order for i in blocks[b]], dtype=np.int64)
+
+
+def step_indices(n: int, batch_size: int, seed: int, step: int, lengths: list[int] | None = None,
+                 length_group: int = 0) -> list[int]:
     """Indices of the examples of ``step``: a pure function of ``(seed, step)``.
 
     Examples are visited epoch by epoch, epoch ``e`` in the permutation drawn from
     ``default_rng([seed, e])``; step ``s`` takes positions ``s*batch_size ..`` of that stream.
+    With ``lengths`` and ``length_group > 1`` (batching by length, as Hugging Face's
+    length-grouped sampler does): each run of ``batch_size * length_group`` permuted
+    examples is sorted by length and cut into batches, and the epoch's batches are then
+    shuffled (``default_rng([seed, e, 3])``), so a step's examples have similar lengths.
     """
-    perms: dict[int, np.ndarray] = {}
+    orders: dict[int, np.ndarray] = {}
     out = []
     for k in range(step * batch_size, (step + 1) * batch_size):
         epoch, pos = divmod(k, n)
-        if epoch not in perms:
-            perms[epoch] = np.random.default_rng([seed, epoch]).permutation(n)
-        out.append(int(perms[epoch][pos]))
+        if epoch not in orders:
+            orders[epoch] = _epoch_order(n, seed, epoch, lengths, batch_size, length_group)
+        out.append(int(orders[epoch][pos]))
     return out
 
 
@@ -233,17 +368,31 @@ def train_fuser(
     weight_decay: float = 0.0,
     max_grad_norm: float = 1.0,
     keep_last: int = 2,
+    receiver_prefill: Prefiller | None = None,
+    sharer_prefill: Prefiller | None = None,
+    micro_batch: int = 8,
+    length_group: int = 0,
+    amp: bool = False,
+    on_step=None,
+    until: int | None = None,
 ) -> dict:
     """Train ``fuser`` for ``steps`` AdamW steps; both models stay frozen.
 
-    Each step accumulates gradients over ``batch_size`` examples (batch size 1 each: the
+    Each step accumulates gradients over ``batch_size`` examples
+    (:func:`step_indices`; ``length_group`` batches by length), ``micro_batch`` of similar
+    length per forward pass (:func:`batch_losses`; the fuser runs per example, the
     alignments differ), weighting each by its response tokens (the step loss is the mean
     CE per response token of the step), clips the fuser's gradient norm to
     ``max_grad_norm`` and steps AdamW on the fuser's parameters only. The Gumbel
     temperature anneals from the config's ``init_temperature`` (step 0) to
     ``min_temperature`` (the last step). During the run both models are in eval mode with
     ``requires_grad=False``; their previous flags and modes are restored at the end. The
-    fuser is left in eval mode.
+    fuser is left in eval mode. The fuser is fed what its ``sharer_control`` says (a
+    ``shuffled`` fuser reads example ``shuffled_partners(len(examples), seed)[i]``'s sharer
+    cache). Prompt caches come from the prefillers (:mod:`edgefuse.c2c.prefill`; default:
+    computed at every step): cached and uncached runs give identical fusers. ``on_step(done,
+    losses)`` is called after each step (a benchmark's hook). ``until`` stops after that
+    step of the ``steps``-step schedule (checkpointed there; a later call resumes).
 
     Checkpoints (see the module docstring) go to ``checkpoint_dir`` every
     ``checkpoint_every`` steps (0: never) and after the last step. With ``resume=True`` the
@@ -252,7 +401,8 @@ def train_fuser(
 
     Returns:
         ``{"steps", "first_loss", "last_loss", "mean_loss", "losses" (one per step, the
-        resumed ones included), "seconds" (this call), "resumed_from" (step or None)}``.
+        resumed ones included), "seconds" (this call), "examples_per_s" (examples of this
+        call's steps per second, prefills included), "resumed_from" (step or None)}``.
 
     Raises:
         ValueError: no examples, ``steps < 1`` or ``batch_size < 1``; a checkpoint of
@@ -273,9 +423,10 @@ def train_fuser(
     if checkpoint_dir is not None and resume:
         state = _load_latest(checkpoint_dir)
         if state is not None:
-            if (state["seed"], state["batch_size"]) != (seed, batch_size):
+            if (state["seed"], state["batch_size"], state.get("length_group", 0)) != (seed, batch_size, length_group):
                 raise ValueError(f"checkpoint in {checkpoint_dir} is from a run with seed={state['seed']}, "
-                                 f"batch_size={state['batch_size']} (this run: {seed}, {batch_size}); "
+                                 f"batch_size={state['batch_size']}, length_group={state.get('length_group', 0)} "
+                                 f"(this run: {seed}, {batch_size}, {length_group}); "
                                  "use another checkpoint_dir or resume=False")
             if state["step"] > steps:
                 raise ValueError(f"checkpoint in {checkpoint_dir} is at step {state['step']}, past steps={steps}")
@@ -286,41 +437,51 @@ def train_fuser(
 
     device = params[0].device
     rng_devices = [device] if device.type == "cuda" else []
+    r_pre, s_pre = _prefillers(receiver_model, sharer_model, receiver_prefill, sharer_prefill)
+    partners = shuffled_partners(len(examples), seed) if fuser.config.sharer_control == "shuffled" else None
+    lengths = [len(ex.receiver_prompt_ids) + len(ex.continuation_ids) for ex in examples]
 
     def checkpoint(step: int) -> None:
         _save_checkpoint(checkpoint_dir, {
             "format": CHECKPOINT_FORMAT, "step": step, "seed": seed, "batch_size": batch_size,
+            "length_group": length_group,
             "steps": steps, "lr": lr, "fuser_config": fuser.config.to_dict(),
             "fuser": fuser.state_dict(), "optimizer": opt.state_dict(), "losses": losses,
         }, keep_last)
 
     from tqdm.auto import tqdm
 
-    bar = tqdm(range(start, steps), initial=start, total=steps, desc="fuser", unit="step",
+    stop = steps if until is None else max(start, min(int(until), steps))
+    bar = tqdm(range(start, stop), initial=start, total=steps, desc="fuser", unit="step",
                leave=False, disable=not progress)
     fuser.train()
     with frozen(receiver_model, sharer_model):
         try:
             for step in bar:
                 tau = fuser.anneal(step, max(steps - 1, 1))
-                batch = [examples[i] for i in step_indices(len(examples), batch_size, seed, step)]
-                total = sum(ex.num_tokens for ex in batch)
+                index = step_indices(len(examples), batch_size, seed, step, lengths, length_group)
+                total = sum(examples[i].num_tokens for i in index)
                 opt.zero_grad(set_to_none=True)
                 step_loss = 0.0
                 with torch.random.fork_rng(devices=rng_devices):
                     torch.manual_seed(_step_seed(seed, step))
-                    for ex in batch:
-                        loss, n = pair_loss(fuser, receiver_model, sharer_model, ex)
-                        (loss * (n / max(total, 1))).backward()
-                        step_loss += float(loss.detach()) * n / max(total, 1)
+                    for chunk in _chunks_by_length(index, examples, max(1, micro_batch)):
+                        inputs = _fuse_inputs(fuser, examples, chunk, r_pre, s_pre, partners)
+                        caches = [fuser(r, s_, m) for r, s_, m in inputs]
+                        loss, _ = batch_losses(receiver_model, caches, [examples[i] for i in chunk], amp)
+                        loss = loss.sum() / max(total, 1)
+                        loss.backward()
+                        step_loss += float(loss.detach())
                 torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
                 opt.step()
                 losses.append(step_loss)
                 bar.set_postfix(loss=f"{step_loss:.3f}", tau=f"{tau:.2f}")
                 done = step + 1
-                due = done == steps or (checkpoint_every > 0 and done % checkpoint_every == 0)
+                due = done in (steps, stop) or (checkpoint_every > 0 and done % checkpoint_every == 0)
                 if checkpoint_dir is not None and due:
                     checkpoint(done)
+                if on_step is not None:
+                    on_step(done, losses)
         finally:
             bar.close()
             fuser.eval()
@@ -331,8 +492,10 @@ def train_fuser(
         "mean_loss": sum(losses) / len(losses) if losses else None,
         "losses": losses,
         "seconds": time.perf_counter() - t0,
+        "examples_per_s": (stop - start) * batch_size / max(time.perf_counter() - t0, 1e-9),
         "resumed_from": resumed_from,
     }
 
 
-__all__ = ["pair_loss", "evaluate_pair", "step_indices", "train_fuser", "frozen", "CHECKPOINT_FORMAT"]
+__all__ = ["pair_loss", "batch_losses", "evaluate_pair", "step_indices", "shuffled_partners", "train_fuser",
+           "frozen", "CHECKPOINT_FORMAT"]

@@ -1,0 +1,248 @@
+"""The prompt-cache store (edgefuse.c2c.prefill) and what fuser training builds on it: batched
+losses equal per-example ones, cached and uncached training give identical fusers, a changed
+model or adapter never serves stale caches, batching by length, the sharer controls.
+
+Tiny random-weight models as in test_fuser_train.py.
+"""
+
+import pytest
+import torch
+
+from edgefuse.c2c import C2CFuser, FuserConfig, kv_spec_from_config
+from edgefuse.c2c.examples import build_pair_examples
+from edgefuse.c2c.fuser import control_sharer
+from edgefuse.c2c.prefill import PrefillStore, Prefiller, prefill
+from edgefuse.c2c.train import (batch_losses, evaluate_pair, pair_loss, shuffled_partners, step_indices,
+                                train_fuser)
+from edgefuse.models import tiny_model
+from tests.c2c.heldout import TRAIN_ROWS, VAL_ROWS
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_thread):
+    """Every test of this module on one torch thread (see conftest)."""
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {"llama": tiny_model("llama", seed=0), "qwen2": tiny_model("qwen2", seed=1),
+            "gemma3_text": tiny_model("gemma3_text", seed=2)}
+
+
+def _fuser(recv, share, control="none", seed=5, randomize=True):
+    torch.manual_seed(seed)
+    fuser = C2CFuser(kv_spec_from_config(recv.config), kv_spec_from_config(share.config),
+                     FuserConfig(bottleneck=16, gate_init=1.0, sharer_control=control))
+    if randomize:
+        with torch.no_grad():
+            for layer in fuser.layers.values():
+                for branch in (layer.key, layer.value):
+                    branch.up.weight.normal_(0, 0.5)
+                    branch.up.bias.normal_(0, 0.5)
+    return fuser
+
+
+# prompts and responses of different lengths, so batches are padded
+VARIED = [dict(r, context=r["context"] + " The data is here." * (k % 4),
+               response=r["response"] + " It is." * (k % 3)) for k, r in enumerate(TRAIN_ROWS)]
+
+
+def _examples(models, sharer="qwen2", rows=VARIED, receiver="llama"):
+    (_, rtok), (_, stok) = models[receiver], models[sharer]
+    return build_pair_examples(rows, rtok, stok, 256)
+
+
+@pytest.mark.parametrize("receiver,sharer", [("llama", "qwen2"), ("llama", "gemma3_text"),
+                                             ("gemma3_text", "llama")])
+def test_batched_losses_equal_one_at_a_time(models, receiver, sharer):
+    """Left-padded caches + right-padded continuations in one forward give each example the
+    loss it has alone (the per-example path is pair_loss, the query-time computation); a
+    sliding-window receiver (Gemma 3) too."""
+    recv, share = models[receiver][0], models[sharer][0]
+    examples = _examples(models, sharer, receiver=receiver)[:6]
+    assert len({len(ex.receiver_prompt_ids) for ex in examples}) > 1  # padding is exercised
+    fuser = _fuser(recv, share).eval()
+    with torch.no_grad():
+        alone = [float(pair_loss(fuser, recv, share, ex)[0]) for ex in examples]
+        ev = evaluate_pair(fuser, recv, share, examples, gate="on", micro_batch=6)
+        r_pre, s_pre = Prefiller(recv), Prefiller(share)
+        caches = [fuser(r_pre(ex.receiver_prompt_ids), s_pre(ex.sharer_prompt_ids), ex.mapping) for ex in examples]
+        sums, counts = batch_losses(recv, caches, examples)
+    assert counts.tolist() == [ex.num_tokens for ex in examples]
+    assert ev["per_example"] == pytest.approx(alone, abs=1e-4)
+    assert (sums / counts).tolist() == pytest.approx(alone, abs=1e-4)
+    assert ev["loss"] == pytest.approx(sum(a * ex.num_tokens for a, ex in zip(alone, examples))
+                                       / sum(ex.num_tokens for ex in examples), abs=1e-4)
+
+
+def test_store_round_trip_is_exact_and_counts_hits(models, tmp_path):
+    recv = models["llama"][0]
+    ids = _examples(models)[0].receiver_prompt_ids
+    store = PrefillStore(tmp_path, "float32")
+    first = store.get(recv, "llama@base", ids)
+    again = PrefillStore(tmp_path, "float32").get(recv, "llama@base", ids)  # a new process reads disk
+    fresh = prefill(recv, ids)
+    for a, b, c in zip(first.layers, again.layers, fresh.layers):
+        assert torch.equal(a.keys, c.keys) and torch.equal(b.keys, c.keys) and torch.equal(b.values, c.values)
+    assert (store.hits, store.misses) == (0, 1)
+    store.get(recv, "llama@base", ids)
+    assert (store.hits, store.misses) == (1, 1)
+    assert len(list(store.folder("llama@base").glob("*.safetensors"))) == 2  # the probe + one prompt
+
+
+def test_a_changed_adapter_or_model_never_serves_stale_caches(models, tmp_path):
+    """A new adapter hash reads another folder; a model changed under the SAME key is caught
+    by the probe, which empties the folder; either way the cache is the new model's."""
+    recv = tiny_model("llama", seed=0)[0]
+    ids = _examples(models)[1].receiver_prompt_ids
+    store = PrefillStore(tmp_path)
+    old = store.get(recv, "llama@aaaa", ids)
+    with torch.no_grad():
+        recv.model.layers[0].self_attn.k_proj.weight.add_(0.1)  # the adapter changed
+    new_key = PrefillStore(tmp_path).get(recv, "llama@bbbb", ids)
+    fresh = prefill(recv, ids)
+    assert torch.equal(new_key.layers[0].keys, fresh.layers[0].keys)
+    assert not torch.equal(new_key.layers[0].keys, old.layers[0].keys)
+    reopened = PrefillStore(tmp_path)
+    with pytest.warns(UserWarning, match="from another model or adapter"):
+        same_key = reopened.get(recv, "llama@aaaa", ids)
+    assert torch.equal(same_key.layers[0].keys, fresh.layers[0].keys)
+    assert (reopened.hits, reopened.misses) == (0, 1)
+
+
+def test_unreadable_cache_file_is_recomputed(models, tmp_path):
+    recv = models["llama"][0]
+    ids = _examples(models)[2].receiver_prompt_ids
+    store = PrefillStore(tmp_path)
+    store.get(recv, "m", ids)
+    for f in store.folder("m").glob("*.safetensors"):
+        if f.name != "probe.safetensors":
+            f.write_bytes(b"torn")
+    again = PrefillStore(tmp_path)
+    cache = again.get(recv, "m", ids)
+    assert again.misses == 1 and torch.equal(cache.layers[1].values, prefill(recv, ids).layers[1].values)
+
+
+def test_store_refuses_unknown_dtype_and_empty_prompt(models, tmp_path):
+    with pytest.raises(ValueError, match="unknown prefill cache dtype"):
+        PrefillStore(tmp_path, "int3")
+    with pytest.raises(ValueError, match="empty"):
+        prefill(models["llama"][0], [])
+
+
+@pytest.mark.parametrize("control,dtype", [("none", "float32"), ("shuffled", "float16"), ("zero", "float32")])
+def test_cached_and_uncached_training_give_identical_fusers(models, tmp_path, control, dtype):
+    recv, share = models["llama"][0], models["qwen2"][0]
+    examples = _examples(models)
+
+    def run(store):
+        fuser = _fuser(recv, share, control, randomize=False)
+        kw = {}
+        if store is not None:
+            kw = {"receiver_prefill": Prefiller(recv, "r", store), "sharer_prefill": Prefiller(share, "s", store)}
+        else:
+            kw = {"receiver_prefill": Prefiller(recv, dtype=dtype), "sharer_prefill": Prefiller(share, dtype=dtype)}
+        out = train_fuser(fuser, recv, share, examples, steps=6, batch_size=4, lr=1e-2, seed=3, progress=False,
+                          micro_batch=2, length_group=2, **kw)
+        return fuser, out
+
+    store = PrefillStore(tmp_path, dtype)
+    cold, out_cold = run(store)           # fills the store
+    warm, out_warm = run(store)           # reads it
+    plain, out_plain = run(None)          # no store at all
+    assert store.misses == 2 * len(examples) and store.hits > 0
+    for a, b, c in zip(cold.state_dict().values(), warm.state_dict().values(), plain.state_dict().values()):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    assert out_cold["losses"] == out_warm["losses"] == out_plain["losses"]
+    assert any(not torch.equal(p, q) for p, q in zip(cold.state_dict().values(),
+                                                        _fuser(recv, share, control, randomize=False).state_dict().values()))
+
+
+def test_length_grouped_steps_are_deterministic_epochs_of_similar_lengths():
+    lengths = [int(x) for x in torch.randint(5, 200, (64,), generator=torch.Generator().manual_seed(0))]
+    epoch = [step_indices(64, 8, seed=1, step=s, lengths=lengths, length_group=4) for s in range(8)]
+    assert sorted(i for b in epoch for i in b) == list(range(64))  # an epoch visits every example once
+    assert epoch == [step_indices(64, 8, seed=1, step=s, lengths=lengths, length_group=4) for s in range(8)]
+    plain = [step_indices(64, 8, seed=1, step=s) for s in range(8)]
+
+    def spread(batches):
+        return sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in batches)
+
+    assert spread(epoch) < spread(plain) / 2
+    assert plain == [step_indices(64, 8, seed=1, step=s, lengths=lengths, length_group=0) for s in range(8)]
+
+
+def test_shuffled_partners_is_a_derangement():
+    for n in (2, 3, 17):
+        p = shuffled_partners(n, seed=4)
+        assert sorted(p) == list(range(n)) and all(p[i] != i for i in range(n))
+        assert p == shuffled_partners(n, seed=4)
+    assert shuffled_partners(17, 4) != shuffled_partners(17, 5)
+
+
+def test_controls_feed_what_they_say(models):
+    """zero: the fuser sees an all-zero sharer cache; shuffled: another prompt's cache, the
+    mapping scaled onto its length; so the zero control's loss ignores the sharer."""
+    recv, share = models["llama"][0], models["qwen2"][0]
+    examples = _examples(models)[:4]
+    s_pre = Prefiller(share)
+    a, b = s_pre(examples[0].sharer_prompt_ids), s_pre(examples[1].sharer_prompt_ids)
+    zero, m = control_sharer("zero", a, examples[0].mapping)
+    assert m == examples[0].mapping and all(float(layer.keys.abs().sum()) == 0 for layer in zero.layers)
+    shuf, m2 = control_sharer("shuffled", a, examples[0].mapping, b)
+    assert shuf is b and max(j for x in m2 for j in x) < b.get_seq_length()
+    with pytest.raises(ValueError, match="another prompt"):
+        control_sharer("shuffled", a, examples[0].mapping)
+    fz = _fuser(recv, share, "zero").eval()
+    other_sharer = tiny_model("qwen2", seed=9)[0]
+    with torch.no_grad():
+        l1 = evaluate_pair(fz, recv, share, examples)["per_example"]
+        l2 = evaluate_pair(fz, recv, other_sharer, examples)["per_example"]
+        real = evaluate_pair(_fuser(recv, share, "none").eval(), recv, share, examples)["per_example"]
+        real2 = evaluate_pair(_fuser(recv, share, "none").eval(), recv, other_sharer, examples)["per_example"]
+    assert l1 == l2 and real != real2
+
+
+def test_resume_with_store_and_grouping_matches_uninterrupted(models, tmp_path):
+    recv, share = models["llama"][0], models["qwen2"][0]
+    examples = _examples(models, rows=VARIED + VAL_ROWS)
+    store = PrefillStore(tmp_path / "store")
+    kw = dict(batch_size=4, lr=1e-2, seed=2, progress=False, micro_batch=4, length_group=2,
+              receiver_prefill=Prefiller(recv, "r", store), sharer_prefill=Prefiller(share, "s", store))
+    full = _fuser(recv, share, randomize=False)
+    train_fuser(full, recv, share, examples, steps=6, checkpoint_dir=tmp_path / "a", checkpoint_every=3, **kw)
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "step-000003.pt").write_bytes((tmp_path / "a" / "step-000003.pt").read_bytes())
+    resumed = _fuser(recv, share, randomize=False)
+    out = train_fuser(resumed, recv, share, examples, steps=6, checkpoint_dir=tmp_path / "b", **kw)
+    assert out["resumed_from"] == 3
+    assert all(torch.equal(x, y) for x, y in zip(full.state_dict().values(), resumed.state_dict().values()))
+    with pytest.raises(ValueError, match="length_group"):
+        train_fuser(_fuser(recv, share), recv, share, examples, steps=6, checkpoint_dir=tmp_path / "b",
+                    **{**kw, "length_group": 0})
+
+
+def test_batched_sliding_window_receiver_within_its_window(models):
+    """Gemma 3's sliding layers hold the whole prompt when it is shorter than the window:
+    then the padded batch runs in one forward, and still equals one at a time."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(models["gemma3_text"][0].config)
+    config.sliding_window = 256
+    torch.manual_seed(2)
+    recv, share = AutoModelForCausalLM.from_config(config).eval(), models["llama"][0]
+    examples = _examples(models, "llama", receiver="gemma3_text")
+    window = recv.config.sliding_window
+    assert all(len(ex.receiver_prompt_ids) + len(ex.continuation_ids) < window for ex in examples)
+    assert len({len(ex.receiver_prompt_ids) for ex in examples}) > 1
+    fuser = _fuser(recv, share).eval()
+    with torch.no_grad():
+        alone = [float(pair_loss(fuser, recv, share, ex)[0]) for ex in examples]
+        r_pre, s_pre = Prefiller(recv), Prefiller(share)
+        caches = [fuser(r_pre(ex.receiver_prompt_ids), s_pre(ex.sharer_prompt_ids), ex.mapping) for ex in examples]
+        from edgefuse.c2c.train import _stack_left_padded
+        assert _stack_left_padded(caches, recv.config) is not None  # the one-forward path
+        sums, counts = batch_losses(recv, caches, examples)
+    assert (sums / counts).tolist() == pytest.approx(alone, abs=1e-4)
