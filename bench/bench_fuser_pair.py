@@ -33,21 +33,6 @@ from edgefuse.c2c.examples import build_pair_examples  # noqa: E402
 from edgefuse.c2c.train import evaluate_pair, train_fuser  # noqa: E402
 
 
-class ZeroCacheSharer(torch.nn.Module):
-    """Control: the wrapped sharer's prefill cache with every key and value zeroed."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, *args, **kwargs):
-        out = self.model(*args, **kwargs)
-        for layer in out.cache.layers:
-            layer.keys.zero_()
-            layer.values.zero_()
-        return out
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--receiver", default="smollm2-135m")
@@ -59,9 +44,10 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-examples", type=int, default=50)
     ap.add_argument("--max-seq-len", type=int, default=128)
     ap.add_argument("--quick", action="store_true", help="15 steps, 20 held-out examples")
-    ap.add_argument("--control", choices=["none", "zero-sharer"], default="none",
-                    help="zero-sharer: the fuser sees an all-zero sharer cache, so any gain is "
-                         "the fuser's own capacity, not information from the sharer")
+    ap.add_argument("--control", choices=["none", "zero", "shuffled"], default="none",
+                    help="zero: the fuser sees an all-zero sharer cache, shuffled: another prompt's "
+                         "(FuserConfig.sharer_control), so a gain is the fuser's own capacity, not "
+                         "information from the sharer; bench/bench_c2c_learning.py runs all three")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "bench_fuser_pair.json"))
     args = ap.parse_args(argv)
     if args.quick:
@@ -76,10 +62,8 @@ def main(argv=None) -> int:
     sharer, s_tok = load_model(args.sharer, root=cfg.paths.cache_dir)
     train = build_pair_examples(rows[:n_train], r_tok, s_tok, args.max_seq_len)
     held = build_pair_examples(rows[n_train:], r_tok, s_tok, args.max_seq_len)
-    fcfg = FuserConfig(gate_init=1.0)
+    fcfg = FuserConfig(gate_init=1.0, sharer_control=args.control)
     fuser = C2CFuser(kv_spec_from_config(receiver.config), kv_spec_from_config(sharer.config), fcfg)
-    if args.control == "zero-sharer":
-        sharer = ZeroCacheSharer(sharer)
     alone = evaluate_pair(fuser, receiver, sharer, held, gate="off")
     t0 = time.perf_counter()
     stats = train_fuser(fuser, receiver, sharer, train, steps=args.steps,

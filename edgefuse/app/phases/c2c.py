@@ -82,7 +82,7 @@ from edgefuse.c2c.hub import FuserService, Side, kv_spec, pair_list
 from edgefuse.c2c.hub import check_config
 from edgefuse.c2c.handshake import HANDSHAKE_BYTES
 from edgefuse.c2c.peer import pack_frames, unpack_frames
-from edgefuse.c2c.registry import FuserRegistry, FuserVersion, FuserVersionError, config_hash, pack_state
+from edgefuse.c2c.registry import FuserRegistry, FuserVersion, FuserVersionError, pack_state
 from edgefuse.config import ConfigError
 from edgefuse.eval import stats
 from edgefuse.eval.queries import Query, dolly_eval_queries, load_gsm8k, load_mmlu, rouge_l
@@ -158,10 +158,9 @@ def check_eval(cfg) -> None:
 
 
 def control_version(service: FuserService, sharer: Side, receiver: Side, control: str) -> FuserVersion:
-    """The registry version of a pair's control fuser: the pair's version with the run's
-    fuser config hashed with ``sharer_control=control`` (how the fuser service registers it)."""
-    return FuserVersion(sharer.version(), receiver.version(),
-                        config_hash({**service.fcfg_dict, "sharer_control": control}))
+    """The registry version of a pair's control fuser (:meth:`FuserService.version`: the
+    run's fuser config with ``sharer_control=control``)."""
+    return service.version(sharer, receiver, control)
 
 
 class C2C(Phase):
