@@ -311,7 +311,7 @@ class FuserService:
                                      train_examples=old_card.train_examples,
                                      data=f"{old_card.data}; {note}", scores=old_card.scores,
                                      trained_on=old_card.trained_on or None)
-        self.registry.save(fuser, fcfg.to_dict(), version, card)
+        self.registry.save(fuser, fcfg.to_dict(), version, card, make_latest=control == "none")
         return self.registry.load_state(version)[2]
 
     def _train(self, version: FuserVersion, sharer: Side, receiver: Side, get, prev,
@@ -352,7 +352,7 @@ class FuserService:
                   f"training prompts, {len(val)} validation prompts, max_seq_len {max_len}{what}"),
             scores=scores)
         fuser.to("cpu")
-        self.registry.save(fuser, fcfg.to_dict(), version, card)
+        self.registry.save(fuser, fcfg.to_dict(), version, card, make_latest=control == "none")
         _remove_tree(ckpt)
         return self.registry.load_state(version)[2], stats["seconds"]
 

@@ -400,9 +400,10 @@ class FuserRegistry:
         return self.pair_dir(version.sharer.spec, version.receiver.spec) / version.id
 
     def save(self, fuser: torch.nn.Module, config: dict, version: FuserVersion,
-             card: FuserCard) -> Path:
+             card: FuserCard, make_latest: bool = True) -> Path:
         """Save ``fuser``'s weights (as float32), ``config`` and the completed ``card`` as
-        ``version``, and make it the pair's latest. Returns the version folder.
+        ``version``, and (``make_latest``) make it the pair's latest: a control fuser
+        (``sharer_control`` zero / shuffled) is saved without. Returns the version folder.
 
         The folder is built in a hidden temporary sibling and renamed into place; on any
         error the temporary folder is removed and the registry is as before. Saving a version
@@ -437,7 +438,8 @@ class FuserRegistry:
             _write(tmp / CONFIG, config_json.encode())
             _write(tmp / CARD, card_json.encode())
         _fsync_dir(out.parent)
-        self._set_latest(out.parent, version.id)
+        if make_latest:
+            self._set_latest(out.parent, version.id)
         return out
 
     @staticmethod

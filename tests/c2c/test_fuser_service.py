@@ -215,3 +215,34 @@ def test_fusers_train_on_the_fuser_slices(cfg, public, tmp_path, monkeypatch):
     assert [[{k: r[k] for k in dolly} for r in seen[0]], seen[1]] == [public.rows("fuser_train"),
                                                                      public.rows("fuser_val")]
     assert {r["source"] for r in seen[0]} == {"dolly_public"}
+
+
+def test_controls_train_two_more_versions_with_the_same_budget(cfg, tmp_path):
+    """c2c.eval.controls: each pair gets a zero- and a shuffled-sharer fuser, its own registry
+    version (the config hash differs), trained with the real fuser's steps on the same rows,
+    sharing the prompt caches; the pair's `latest` stays the real fuser."""
+    from omegaconf import OmegaConf
+
+    on = OmegaConf.merge(cfg, OmegaConf.create({"c2c": {"eval": {"controls": True}}}))
+    sides = {LLAMA: side(cfg, LLAMA, adapter(cfg, LLAMA, 1)), QWEN: side(cfg, QWEN, adapter(cfg, QWEN, 2), 2)}
+    reg = FuserRegistry(tmp_path / "reg")
+    svc = FuserService(on, reg)
+    assert svc.controls() == ["none", "zero", "shuffled"]
+    assert FuserService(cfg, reg).controls() == ["none"]
+    rows = svc.update(sides, [(QWEN, LLAMA)], round_idx=1)
+    assert [(r["control"], r["action"]) for r in rows] == [("none", "trained"), ("zero", "trained"),
+                                                           ("shuffled", "trained")], [r.get("reason") for r in rows]
+    versions = [svc.version(sides[QWEN], sides[LLAMA], c) for c in ("none", "zero", "shuffled")]
+    assert len({v.id for v in versions}) == 3 and [r["version"] for r in rows] == [v.id for v in versions]
+    cards = [reg.load_state(v)[2] for v in versions]
+    assert len({c.train_steps for c in cards}) == 1 and len({c.train_examples for c in cards}) == 1
+    assert [reg.load_state(v)[1]["sharer_control"] for v in versions] == ["none", "zero", "shuffled"]
+    assert "control: zero" in cards[1].data and "control" not in cards[0].data
+    states = [reg.load_state(v)[0] for v in versions]
+    assert any(not torch.equal(states[0][k], states[1][k]) for k in states[0])
+    assert reg.latest(QWEN, LLAMA) == versions[0]
+    store = svc.prefill_store()
+    assert store.root == reg.root / ".prefill" and any(store.root.rglob("*.safetensors"))
+    # again: all three cached
+    again = svc.update(sides, [(QWEN, LLAMA)], round_idx=2)
+    assert [r["action"] for r in again] == ["cached"] * 3
