@@ -133,6 +133,30 @@ def check_config(cfg) -> None:
         raise ConfigError(f"c2c.eval.wan: {e}") from None
     pair_list(c2c.pairs if isinstance(c2c.pairs, str) else list(c2c.pairs),
               list(dict.fromkeys(str(c.model) for c in cfg.federation.clients)))
+    check_train_runtime(c2c.train)
+
+
+def check_train_runtime(t) -> None:
+    """Check how fusers train: ``threads`` (``auto`` or >= 1), ``device``, ``amp``,
+    ``micro_batch`` (>= 1), ``length_group`` (>= 0), ``prefill_dtype``.
+
+    Raises:
+        ConfigError: naming the key, the value and what is allowed.
+    """
+    from .prefill import DTYPES
+
+    if str(t.get("threads", "auto")) != "auto":
+        positive_int(t.get("threads"), "c2c.train.threads")
+    train_device({**t, "device": "cpu"} if str(t.get("device", "auto")) == "cuda" else t)
+    if str(t.get("amp", "auto")) not in ("auto", "true", "false", "True", "False"):
+        raise ConfigError(f"c2c.train.amp must be auto, true or false, got {t.get('amp')!r}")
+    positive_int(t.get("micro_batch", 8), "c2c.train.micro_batch")
+    group = t.get("length_group", 0)
+    if isinstance(group, bool) or not isinstance(group, int) or group < 0:
+        raise ConfigError(f"c2c.train.length_group must be an integer >= 0, got {group!r}")
+    if str(t.get("prefill_dtype", "float32")) not in DTYPES:
+        raise ConfigError(f"c2c.train.prefill_dtype must be one of {', '.join(DTYPES)}, "
+                          f"got {t.get('prefill_dtype')!r}")
 
 
 def fuser_config(cfg) -> FuserConfig:
@@ -398,7 +422,7 @@ def use_amp(t, device: torch.device) -> bool:
     value = str(t.get("amp", "auto"))
     if value == "auto":
         return device.type == "cuda" and torch.cuda.is_bf16_supported()
-    return value in ("true", "True", "1", "bf16") and device.type == "cuda"
+    return value in ("true", "True") and device.type == "cuda"
 
 
 def train_multi_gate(cfg, service: FuserService, sides: dict[str, Side], receiver: str,

@@ -246,3 +246,25 @@ def test_controls_train_two_more_versions_with_the_same_budget(cfg, tmp_path):
     # again: all three cached
     again = svc.update(sides, [(QWEN, LLAMA)], round_idx=2)
     assert [r["action"] for r in again] == ["cached"] * 3
+
+
+@pytest.mark.parametrize("override,match", [
+    ("c2c.train.threads=0", "c2c.train.threads"), ("c2c.train.threads=many", "c2c.train.threads"),
+    ("c2c.train.device=tpu", "c2c.train.device"), ("c2c.train.amp=fp8", "c2c.train.amp"),
+    ("c2c.train.micro_batch=0", "c2c.train.micro_batch"), ("c2c.train.length_group=-1", "length_group"),
+    ("c2c.train.prefill_dtype=int4", "prefill_dtype")])
+def test_training_runtime_settings_are_checked_at_compose(override, match):
+    service_mod.check_config(compose("tiny"))  # the defaults pass
+    with pytest.raises(ConfigError, match=match):
+        service_mod.check_config(compose("tiny", [override]))
+
+
+def test_training_device_auto_is_the_cpu_without_cuda(monkeypatch):
+    from omegaconf import OmegaConf
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    t = OmegaConf.create({"device": "auto", "amp": "auto", "threads": 3})
+    assert service_mod.train_device(t).type == "cpu" and service_mod.train_threads(t) == 3
+    assert service_mod.use_amp(t, torch.device("cpu")) is False
+    with pytest.raises(ConfigError, match="no CUDA device"):
+        service_mod.train_device(OmegaConf.create({"device": "cuda"}))
