@@ -406,7 +406,8 @@ def train_fuser(
 
     Raises:
         ValueError: no examples, ``steps < 1`` or ``batch_size < 1``; a checkpoint of
-            another seed or batch size, or past ``steps``.
+            another seed, batch size, length grouping or fuser config (a control's too), or
+            past ``steps``.
     """
     if not examples:
         raise ValueError("no training examples for the fuser")
@@ -427,6 +428,10 @@ def train_fuser(
                 raise ValueError(f"checkpoint in {checkpoint_dir} is from a run with seed={state['seed']}, "
                                  f"batch_size={state['batch_size']}, length_group={state.get('length_group', 0)} "
                                  f"(this run: {seed}, {batch_size}, {length_group}); "
+                                 "use another checkpoint_dir or resume=False")
+            if state.get("fuser_config", fuser.config.to_dict()) != fuser.config.to_dict():
+                raise ValueError(f"checkpoint in {checkpoint_dir} is of a fuser with another config "
+                                 f"({state['fuser_config']}; this one: {fuser.config.to_dict()}); "
                                  "use another checkpoint_dir or resume=False")
             if state["step"] > steps:
                 raise ValueError(f"checkpoint in {checkpoint_dir} is at step {state['step']}, past steps={steps}")

@@ -246,3 +246,16 @@ def test_batched_sliding_window_receiver_within_its_window(models):
         assert _stack_left_padded(caches, recv.config) is not None  # the one-forward path
         sums, counts = batch_losses(recv, caches, examples)
     assert (sums / counts).tolist() == pytest.approx(alone, abs=1e-4)
+
+
+def test_a_checkpoint_of_another_fuser_config_is_refused(models, tmp_path):
+    """A zero-control checkpoint has the real fuser's shapes: resuming the real one from it
+    must be refused, not silently continued."""
+    recv, share = models["llama"][0], models["qwen2"][0]
+    examples = _examples(models)
+    kw = dict(steps=4, batch_size=2, lr=1e-2, seed=0, progress=False, checkpoint_dir=tmp_path, checkpoint_every=2)
+    train_fuser(_fuser(recv, share, "zero"), recv, share, examples, until=2, **kw)
+    with pytest.raises(ValueError, match="another config"):
+        train_fuser(_fuser(recv, share, "none"), recv, share, examples, **kw)
+    out = train_fuser(_fuser(recv, share, "zero"), recv, share, examples, **kw)
+    assert out["resumed_from"] == 2 and len(out["losses"]) == 4
