@@ -19,14 +19,20 @@ is emptied (``UserWarning``) and refilled.
 to halve the disk): :func:`prefill` rounds the computed cache to it whether or not a store
 is used, so cached and uncached training see bit-identical inputs.
 
-An unreadable file is a miss (it is recomputed and rewritten); files are written atomically.
+A file that is unreadable, or whose tensors are not what this model's cache of this prompt
+is (names, ``[1, H, T, D]`` shapes per layer, the store's dtype, the prompt's length), is a
+miss: it is recomputed and rewritten. The store does not check a well-formed file's values
+(only the probe is recomputed): its folder must be writable by the server alone. Files are
+written atomically.
 """
 
 from __future__ import annotations
 
 import hashlib
 import warnings
+import weakref
 from pathlib import Path
+from urllib.parse import quote
 
 import torch
 from safetensors.torch import load, save
@@ -81,6 +87,32 @@ def _to_tensors(cache: DynamicCache, dtype: torch.dtype, length: int) -> dict[st
     return out
 
 
+def _expected(model, probe: DynamicCache, length: int, dtype: torch.dtype) -> dict[str, tuple]:
+    """``name -> (shape, dtype)`` of the tensors :func:`_to_tensors` writes for a ``length``-token
+    prompt on ``model``: per layer ``[1, H, T, D]`` with ``H, D`` the probe's and ``T`` the
+    prompt's length, or ``min(length, window - 1)`` on a sliding-window layer."""
+    out = {"length": ((1,), torch.int64)}
+    for i, (layer, ref) in enumerate(zip(DynamicCache(config=model.config).layers, probe.layers)):
+        window = getattr(layer, "sliding_window", None)
+        t = min(length, window - 1) if window else length
+        out[f"k{i}"] = ((1, ref.keys.shape[1], t, ref.keys.shape[3]), dtype)
+        out[f"v{i}"] = ((1, ref.values.shape[1], t, ref.values.shape[3]), dtype)
+    return out
+
+
+def _check_tensors(tensors: dict[str, torch.Tensor], expected: dict[str, tuple], length: int) -> None:
+    """Raise ``ValueError`` unless ``tensors`` are exactly ``expected`` (names, shapes, dtypes)
+    and declare ``length`` tokens."""
+    if set(tensors) != set(expected):
+        raise ValueError(f"a stored cache holds {sorted(tensors)[:4]}..., not {sorted(expected)[:4]}...")
+    for name, (shape, dtype) in expected.items():
+        if tuple(tensors[name].shape) != shape or tensors[name].dtype != dtype:
+            raise ValueError(f"stored {name} is {tensors[name].dtype} {tuple(tensors[name].shape)}, "
+                             f"not {dtype} {shape}")
+    if int(tensors["length"][0]) != length:
+        raise ValueError(f"a stored cache of {int(tensors['length'][0])} tokens, not {length}")
+
+
 def _from_tensors(tensors: dict[str, torch.Tensor], model) -> DynamicCache:
     """Rebuild the cache :func:`_to_tensors` stored, with ``model``'s layer types."""
     device = _device(model)
@@ -121,19 +153,28 @@ class PrefillStore:
     def __init__(self, root: str | Path, dtype: str = "float32"):
         self.root, self.dtype_name, self.dtype = Path(root), dtype, _dtype(dtype)
         self.hits = self.misses = 0
-        self._checked: set[Path] = set()
+        self._checked: dict[Path, tuple[weakref.ref, DynamicCache]] = {}  # folder -> (model, probe)
 
     def folder(self, model_key: str) -> Path:
-        """Where ``model_key``'s caches live (the key's unsafe characters replaced)."""
-        safe = "".join(c if c.isalnum() or c in "-_.@" else "_" for c in model_key)
-        if not safe.strip("."):
-            raise ValueError(f"model key {model_key!r} names no folder")
-        return self.root / safe / self.dtype_name
+        """Where ``model_key``'s caches live: one folder per key, its name the key
+        percent-encoded (injective: two keys never share a folder; a leading ``.`` is
+        encoded too, so no key names a hidden or parent folder).
 
-    def _check(self, model, folder: Path) -> None:
-        """Empty ``folder`` unless its probe cache is what ``model`` computes now."""
-        if folder in self._checked:
-            return
+        Raises:
+            ValueError: an empty key.
+        """
+        if not model_key:
+            raise ValueError("an empty model key names no folder")
+        safe = quote(model_key, safe="@")
+        return self.root / ("%2E" + safe[1:] if safe.startswith(".") else safe) / self.dtype_name
+
+    def _check(self, model, folder: Path) -> DynamicCache:
+        """Empty ``folder`` unless its probe cache is what ``model`` computes now (once per
+        folder and model object: another model under the same key is probed again).
+        Returns the probe cache."""
+        seen = self._checked.get(folder)
+        if seen is not None and seen[0]() is model:
+            return seen[1]
         probe = prefill(model, _PROBE_IDS, self.dtype_name)
         path = folder / "probe.safetensors"
         if path.exists():
@@ -148,18 +189,22 @@ class PrefillStore:
                     old.unlink(missing_ok=True)
         if not path.exists():
             atomic_write_bytes(path, save(_to_tensors(probe, self.dtype, len(_PROBE_IDS))))
-        self._checked.add(folder)
+        self._checked[folder] = (weakref.ref(model), probe)
+        return probe
 
     def get(self, model, model_key: str, ids: list[int]) -> DynamicCache:
         """The cache of prompt ``ids`` on ``model`` (whose version ``model_key`` names):
-        read from disk, or computed by :func:`prefill` and written."""
+        read from disk (when the file's tensors are what this model and prompt give:
+        :func:`_check_tensors`), or computed by :func:`prefill` and written."""
         folder = self.folder(model_key)
-        self._check(model, folder)
+        probe = self._check(model, folder)
         digest = hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:32]
         path = folder / f"{digest}.safetensors"
         if path.exists():
             try:
-                cache = _from_tensors(load(path.read_bytes()), model)
+                tensors = load(path.read_bytes())
+                _check_tensors(tensors, _expected(model, probe, len(ids), self.dtype), len(ids))
+                cache = _from_tensors(tensors, model)
                 if cache.get_seq_length() == len(ids):
                     self.hits += 1
                     return cache

@@ -259,3 +259,89 @@ def test_a_checkpoint_of_another_fuser_config_is_refused(models, tmp_path):
         train_fuser(_fuser(recv, share, "none"), recv, share, examples, **kw)
     out = train_fuser(_fuser(recv, share, "zero"), recv, share, examples, **kw)
     assert out["resumed_from"] == 2 and len(out["losses"]) == 4
+
+
+def test_two_model_keys_never_share_a_folder_or_a_probe(tmp_path):
+    """Attack: two models whose keys differ only by a character the folder name cannot hold
+    ('org/m' vs 'org_m'). Each must get its own folder, and even under one key a second model
+    is probed again: neither is ever served the other's caches."""
+    a, b = tiny_model("llama", seed=0)[0], tiny_model("llama", seed=7)[0]
+    ids = list(range(5, 30))
+    store = PrefillStore(tmp_path)
+    assert store.folder("org/m@base") != store.folder("org_m@base")
+    got_a = store.get(a, "org/m@base", ids)
+    got_b = store.get(b, "org_m@base", ids)
+    assert torch.equal(got_a.layers[0].keys, prefill(a, ids).layers[0].keys)
+    assert torch.equal(got_b.layers[0].keys, prefill(b, ids).layers[0].keys)
+    with pytest.warns(UserWarning, match="from another model or adapter"):
+        same_key = store.get(b, "org/m@base", ids)  # one key, another model: probed, not trusted
+    assert torch.equal(same_key.layers[0].keys, prefill(b, ids).layers[0].keys)
+    for key in ("..", ".", "../x", "a/../../b"):
+        folder = store.folder(key)
+        assert folder.parent.parent == store.root and not folder.parent.name.startswith(".")
+
+
+def _crafted(t):
+    """Cache files of the wrong shape, dtype, length or names, built from a real one ``t``."""
+    k1 = t["k1"]
+    return {
+        "a layer's head_dim doubled": {**t, "k1": torch.zeros(*k1.shape[:3], 2 * k1.shape[3])},
+        "a layer's time axis cut": {**t, "k1": k1[:, :, :3].contiguous()},
+        "batch of two": {**t, "k0": torch.cat([t["k0"]] * 2), "v0": torch.cat([t["v0"]] * 2)},
+        "float16 in a float32 store": {k: v.half() if k != "length" else v for k, v in t.items()},
+        "int32 keys": {k: v.to(torch.int32) if k != "length" else v for k, v in t.items()},
+        "a huge declared length": {**t, "length": torch.tensor([10 ** 12])},
+        "an extra tensor for a missing one": {**{k: v for k, v in t.items() if k != "v1"},
+                                              "extra": torch.zeros(1)},
+    }
+
+
+@pytest.mark.parametrize("case", list(_crafted({f"{x}{i}": torch.zeros(1, 2, 4, 16) for x in "kv"
+                                                 for i in range(3)} | {"length": torch.tensor([4])})))
+def test_crafted_cache_file_is_a_miss_never_served(models, tmp_path, case):
+    """Attack: a cache file in the store's folder replaced by one of the wrong shape, dtype,
+    declared length or tensor names. It is recomputed (a miss) and rewritten, never served."""
+    import hashlib
+
+    from safetensors.torch import load, save
+
+    recv = models["llama"][0]
+    ids = _examples(models)[0].receiver_prompt_ids
+    PrefillStore(tmp_path).get(recv, "m", ids)
+    digest = hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:32]
+    path = PrefillStore(tmp_path).folder("m") / f"{digest}.safetensors"
+    path.write_bytes(save(_crafted(load(path.read_bytes()))[case]))
+    store = PrefillStore(tmp_path)
+    got = store.get(recv, "m", ids)
+    fresh = prefill(recv, ids)
+    assert (store.hits, store.misses) == (0, 1)
+    assert all(x.keys.shape == y.keys.shape and torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)
+               for x, y in zip(got.layers, fresh.layers))
+    again = PrefillStore(tmp_path)
+    again.get(recv, "m", ids)
+    assert (again.hits, again.misses) == (1, 0)  # the rewritten file is served next time
+
+
+def test_crafted_cache_file_of_a_sliding_window_model_is_checked_per_layer(tmp_path):
+    """Gemma 3's sliding layers hold the last window - 1 tokens: a file whose sliding layer
+    holds the whole prompt (or a full layer only the window) is a miss."""
+    import hashlib
+
+    from safetensors.torch import load, save
+
+    model = tiny_model("gemma3_text", seed=2)[0]
+    window = model.config.sliding_window
+    ids = list(range(3, 3 + window + 10))
+    store = PrefillStore(tmp_path)
+    store.get(model, "g", ids)
+    digest = hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:32]
+    path = store.folder("g") / f"{digest}.safetensors"
+    t = load(path.read_bytes())
+    assert t["k0"].shape[2] == window - 1 and t[f"k{len(t) // 2 - 1}"].shape[2] == len(ids)
+    last = len(t) // 2 - 1
+    path.write_bytes(save({**t, f"k{last}": t[f"k{last}"][:, :, -(window - 1):].contiguous(),
+                           f"v{last}": t[f"v{last}"][:, :, -(window - 1):].contiguous()}))
+    again = PrefillStore(tmp_path)
+    got = again.get(model, "g", ids)
+    assert (again.hits, again.misses) == (0, 1)
+    assert got.layers[last].keys.shape[2] == len(ids)
