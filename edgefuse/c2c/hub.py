@@ -37,7 +37,7 @@ from .registry import (FuserCard, FuserRegistry, FuserVersion, FuserVersionError
                        adapter_change, adapter_hash, config_hash)
 from .examples import build_pair_examples
 from .prefill import PrefillStore, Prefiller
-from .train import evaluate_pair, train_fuser
+from .train import CheckpointMismatchError, evaluate_pair, train_fuser
 
 MODES = ("alone", "t2t", "c2c", "co_c2c", "multi", "c2c_zero", "c2c_shuffled")  # c2c.eval.modes
 
@@ -356,11 +356,15 @@ class FuserService:
                     "sharer_prefill": Prefiller(s_model, _model_key(sharer), store)}
         amp = use_amp(t, _device(r_model))
         ckpt = self.registry.root / ".checkpoints" / f"{sharer.model}__to__{receiver.model}" / version.id
-        stats = train_fuser(fuser, r_model, s_model, examples, steps=int(t.steps),
-                            batch_size=int(t.batch_size), lr=float(t.lr), seed=int(self.cfg.seed),
-                            checkpoint_dir=ckpt, checkpoint_every=max(1, int(t.steps) // 3),
-                            progress=True, micro_batch=int(t.get("micro_batch", 8)),
-                            length_group=int(t.get("length_group", 0)), amp=amp, **prefills)
+        run = dict(steps=int(t.steps), batch_size=int(t.batch_size), lr=float(t.lr), seed=int(self.cfg.seed),
+                   checkpoint_dir=ckpt, checkpoint_every=max(1, int(t.steps) // 3),
+                   progress=True, micro_batch=int(t.get("micro_batch", 8)),
+                   length_group=int(t.get("length_group", 0)), amp=amp, **prefills)
+        try:
+            stats = train_fuser(fuser, r_model, s_model, examples, **run)
+        except CheckpointMismatchError as e:  # left by an interrupted run with other settings
+            _log("c2c: %s: training afresh", e)
+            stats = train_fuser(fuser, r_model, s_model, examples, resume=False, **run)
         scores = {"val_loss": None, "alone_val_loss": None, "train_last_loss": stats["last_loss"],
                   "train_examples_per_s": stats["examples_per_s"]}
         if val:
@@ -454,7 +458,7 @@ def train_multi_gate(cfg, service: FuserService, sides: dict[str, Side], receive
     val = build_multi_examples(service.public("fuser_val"), r_tok, s_toks, int(t.max_seq_len))
     gate = MultiSharerGate(kv_spec_from_config(r_model.config), len(sharers))
     threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, int(t.threads)))
+    torch.set_num_threads(train_threads(t))
     try:
         before = evaluate_multi(gate, fusers, r_model, s_models, val)["loss"] if val else None
         if int(t.gate_steps) > 0 and examples:

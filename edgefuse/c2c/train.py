@@ -36,7 +36,8 @@ optimizer state, step, seed, batch size, step losses), written atomically (temp 
 fsync, rename), the newest ``keep_last`` kept. An unreadable or incomplete checkpoint file
 is **skipped with a warning** (``UserWarning``) and the next older one is used; with none
 left, training starts from step 0. A checkpoint from a different run (other seed or batch
-size, or past ``steps``) is a ``ValueError``.
+size, length grouping, fuser config, step count, learning rate, weight decay, gradient clip
+or training set, or past ``steps``) is a :class:`CheckpointMismatchError` (a ``ValueError``).
 """
 
 from __future__ import annotations
@@ -62,6 +63,12 @@ from .fuser import control_sharer, fused_forward
 from .prefill import Prefiller
 
 CHECKPOINT_FORMAT = "edgefuse-fuser-train/1"
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint in ``checkpoint_dir`` is from another run (seed, batch size, length
+    grouping, fuser config, schedule or training set): resuming it would not continue this run."""
+
 _CKPT_RE = re.compile(r"^step-(\d+)\.pt$")
 
 
@@ -311,6 +318,19 @@ def frozen(*modules):
                 p.requires_grad_(flag)
 
 
+def _examples_digest(examples: list[PairExample]) -> str:
+    """sha256 (hex) of the training examples' token ids, alignments and labels, in order."""
+    import hashlib
+    import json
+
+    h = hashlib.sha256()
+    for ex in examples:
+        h.update(json.dumps([list(map(int, x)) for x in (ex.receiver_prompt_ids, ex.sharer_prompt_ids,
+                                                          ex.continuation_ids, ex.labels)]
+                            + [[list(map(int, m)) for m in ex.mapping]]).encode())
+    return h.hexdigest()
+
+
 def _step_seed(seed: int, step: int) -> int:
     return int(np.random.default_rng([seed, step, 1]).integers(2**62))
 
@@ -406,8 +426,8 @@ def train_fuser(
 
     Raises:
         ValueError: no examples, ``steps < 1`` or ``batch_size < 1``; a checkpoint of
-            another seed, batch size, length grouping or fuser config (a control's too), or
-            past ``steps``.
+            another seed, batch size, length grouping, fuser config (a control's too), step
+            count, learning rate, weight decay, gradient clip or training set, or past ``steps``.
     """
     if not examples:
         raise ValueError("no training examples for the fuser")
@@ -418,6 +438,8 @@ def train_fuser(
     params = list(fuser.parameters())
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     start, losses, resumed_from = 0, [], None
+    schedule = {"steps": steps, "lr": lr, "weight_decay": weight_decay, "max_grad_norm": max_grad_norm,
+                "examples": _examples_digest(examples)}
     if checkpoint_dir is not None and not resume:
         for _, old in _checkpoints(checkpoint_dir):
             old.unlink(missing_ok=True)
@@ -425,16 +447,21 @@ def train_fuser(
         state = _load_latest(checkpoint_dir)
         if state is not None:
             if (state["seed"], state["batch_size"], state.get("length_group", 0)) != (seed, batch_size, length_group):
-                raise ValueError(f"checkpoint in {checkpoint_dir} is from a run with seed={state['seed']}, "
+                raise CheckpointMismatchError(f"checkpoint in {checkpoint_dir} is from a run with seed={state['seed']}, "
                                  f"batch_size={state['batch_size']}, length_group={state.get('length_group', 0)} "
                                  f"(this run: {seed}, {batch_size}, {length_group}); "
                                  "use another checkpoint_dir or resume=False")
             if state.get("fuser_config", fuser.config.to_dict()) != fuser.config.to_dict():
-                raise ValueError(f"checkpoint in {checkpoint_dir} is of a fuser with another config "
+                raise CheckpointMismatchError(f"checkpoint in {checkpoint_dir} is of a fuser with another config "
                                  f"({state['fuser_config']}; this one: {fuser.config.to_dict()}); "
                                  "use another checkpoint_dir or resume=False")
             if state["step"] > steps:
-                raise ValueError(f"checkpoint in {checkpoint_dir} is at step {state['step']}, past steps={steps}")
+                raise CheckpointMismatchError(f"checkpoint in {checkpoint_dir} is at step {state['step']}, past steps={steps}")
+            other = [f"{k}={state[k]!r} (this run: {v!r})" for k, v in schedule.items()
+                     if k in state and state[k] != v]
+            if other:  # another temperature / learning-rate schedule or training set
+                raise CheckpointMismatchError(f"checkpoint in {checkpoint_dir} is from a run with "
+                                              f"{', '.join(other)}; use another checkpoint_dir or resume=False")
             fuser.load_state_dict(state["fuser"])
             opt.load_state_dict(state["optimizer"])
             start = resumed_from = int(state["step"])
@@ -450,7 +477,7 @@ def train_fuser(
         _save_checkpoint(checkpoint_dir, {
             "format": CHECKPOINT_FORMAT, "step": step, "seed": seed, "batch_size": batch_size,
             "length_group": length_group,
-            "steps": steps, "lr": lr, "fuser_config": fuser.config.to_dict(),
+            **schedule, "fuser_config": fuser.config.to_dict(),
             "fuser": fuser.state_dict(), "optimizer": opt.state_dict(), "losses": losses,
         }, keep_last)
 
@@ -502,5 +529,5 @@ def train_fuser(
     }
 
 
-__all__ = ["pair_loss", "batch_losses", "evaluate_pair", "step_indices", "shuffled_partners", "train_fuser",
+__all__ = ["CheckpointMismatchError", "pair_loss", "batch_losses", "evaluate_pair", "step_indices", "shuffled_partners", "train_fuser",
            "frozen", "CHECKPOINT_FORMAT"]

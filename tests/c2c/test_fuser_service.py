@@ -268,3 +268,46 @@ def test_training_device_auto_is_the_cpu_without_cuda(monkeypatch):
     assert service_mod.use_amp(t, torch.device("cpu")) is False
     with pytest.raises(ConfigError, match="no CUDA device"):
         service_mod.train_device(OmegaConf.create({"device": "cuda"}))
+
+
+def test_a_stale_checkpoint_of_another_schedule_is_trained_afresh(cfg, tmp_path):
+    """A checkpoint left in the pair's folder by an interrupted run with another step count
+    (same version: the fuser config is the same) is not resumed into this run: the pair is
+    trained from step 0 and ends with exactly the fresh run's weights."""
+    from edgefuse.c2c import C2CFuser
+    from edgefuse.c2c.examples import build_pair_examples
+    from edgefuse.c2c.train import train_fuser
+
+    cfg = cfg.copy()
+    cfg.c2c.train.update({"steps": 4})
+    sides = {LLAMA: side(cfg, LLAMA, adapter(cfg, LLAMA, 1)), QWEN: side(cfg, QWEN, adapter(cfg, QWEN, 2), 2)}
+    fresh = FuserService(cfg, FuserRegistry(tmp_path / "fresh"))
+    assert [r["action"] for r in fresh.update(sides, [(QWEN, LLAMA)], 1)] == ["trained"]
+    version = fresh.version(sides[QWEN], sides[LLAMA])
+    want = fresh.registry.load_state(version)[0]
+
+    svc = FuserService(cfg, FuserRegistry(tmp_path / "stale"))
+    (r_model, r_tok), (s_model, s_tok) = (service_mod.load_public_copy(cfg, sides[n]) for n in (LLAMA, QWEN))
+    examples = build_pair_examples(svc.public("fuser_train"), r_tok, s_tok, int(cfg.c2c.train.max_seq_len))
+    ckpt = svc.registry.root / ".checkpoints" / f"{QWEN}__to__{LLAMA}" / version.id
+    stale = C2CFuser(kv_spec_from_config(r_model.config), kv_spec_from_config(s_model.config), svc.fcfg)
+    train_fuser(stale, r_model, s_model, examples, steps=12, batch_size=int(cfg.c2c.train.batch_size),
+                lr=float(cfg.c2c.train.lr), seed=int(cfg.seed), checkpoint_dir=ckpt, until=2, progress=False,
+                length_group=int(cfg.c2c.train.length_group))  # only the step count differs
+    assert any(ckpt.iterdir())
+    rows = svc.update(sides, [(QWEN, LLAMA)], 1)
+    assert [r["action"] for r in rows] == ["trained"], [r.get("reason") for r in rows]
+    got = svc.registry.load_state(version)[0]
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_train_multi_gate_with_threads_auto(cfg, public, tmp_path):
+    """c2c.train.threads=auto (the default) also sets the gate's training threads."""
+    cfg = cfg.copy()
+    cfg.c2c.train.update({"steps": 1, "gate_steps": 1, "threads": "auto"})
+    sides = {LLAMA: side(cfg, LLAMA, None), QWEN: side(cfg, QWEN, None, 2)}
+    svc = FuserService(cfg, FuserRegistry(tmp_path), slices=public)
+    assert [r["action"] for r in svc.update(sides, [(QWEN, LLAMA)], 1)] == ["trained"]
+    threads = torch.get_num_threads()
+    state, meta = train_multi_gate(cfg, svc, sides, LLAMA, [QWEN])
+    assert meta["steps"] == 1 and state and torch.get_num_threads() == threads

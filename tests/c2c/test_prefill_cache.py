@@ -345,3 +345,20 @@ def test_crafted_cache_file_of_a_sliding_window_model_is_checked_per_layer(tmp_p
     got = again.get(model, "g", ids)
     assert (again.hits, again.misses) == (0, 1)
     assert got.layers[last].keys.shape[2] == len(ids)
+
+
+def test_resume_refuses_a_checkpoint_of_another_schedule_or_data(models, tmp_path):
+    """A checkpoint of a run with another step count (another temperature schedule), learning
+    rate, optimiser setting or training set is refused, not resumed into a different run."""
+    recv, share = models["llama"][0], models["qwen2"][0]
+    examples = _examples(models)
+    kw = dict(batch_size=2, lr=1e-2, seed=2, progress=False, checkpoint_dir=tmp_path, steps=6)
+    train_fuser(_fuser(recv, share, randomize=False), recv, share, examples, until=3, **kw)
+    for change, what in ((dict(steps=8), "steps"), (dict(lr=2e-2), "lr"), (dict(weight_decay=0.1), "weight_decay"),
+                         (dict(max_grad_norm=0.5), "max_grad_norm")):
+        with pytest.raises(ValueError, match=what):
+            train_fuser(_fuser(recv, share, randomize=False), recv, share, examples, **{**kw, **change})
+    with pytest.raises(ValueError, match="examples"):
+        train_fuser(_fuser(recv, share, randomize=False), recv, share, examples[1:] + examples[:1], **kw)
+    out = train_fuser(_fuser(recv, share, randomize=False), recv, share, examples, **kw)
+    assert out["resumed_from"] == 3 and len(out["losses"]) == 6
