@@ -660,7 +660,7 @@ class FuserRegistry:
         version, writes nothing); with different files the import is refused (a version is
         never overwritten). The version folder is built in a hidden sibling and renamed into
         place (a rename that fails if the folder appeared meanwhile); then, with
-        ``make_latest``, it becomes the pair's ``latest``.
+        ``make_latest`` and unless it is a control fuser, it becomes the pair's ``latest``.
 
         Args:
             path: the archive file.
@@ -668,7 +668,8 @@ class FuserRegistry:
                 as this machine holds it under ``cache_dir``; nothing is ever fetched).
             cache_dir: the model cache for the default ``kv_spec_of``.
             max_weights_bytes: cap on the weights member, whatever the card says.
-            make_latest: point the pair's ``latest`` at the imported version.
+            make_latest: point the pair's ``latest`` at the imported version (never for a
+                control fuser, ``sharer_control`` zero / shuffled, as :meth:`save` in the hub).
 
         Raises:
             FuserArchiveError: the archive or its contents fail a check above (one line
@@ -757,7 +758,7 @@ class FuserRegistry:
                 return self._same_or_refuse(out, files, version, where)
             raise
         _fsync_dir(out.parent)
-        if make_latest:
+        if make_latest and fcfg.sharer_control == "none":  # a control is never the pair's fuser
             self._set_latest(out.parent, version.id)
         return version
 

@@ -485,3 +485,21 @@ def test_an_imported_fuser_is_served_cached_and_accepted_by_the_client(tmp_path,
     installed, got_card = handler.load_fuser(ctx, client, RECEIVER)
     assert got_card == remote_card
     assert all(torch.equal(installed.state_dict()[k], remote_state[k]) for k in remote_state)
+
+
+def test_an_imported_control_fuser_never_becomes_the_pairs_latest(tmp_path, kv):
+    """A zero-sharer control exported elsewhere and imported here is registered but, as when
+    the hub saves one, never the pair's latest (load_for would serve it as the real fuser)."""
+    zero = FuserConfig(bottleneck=8, sharer_control="zero")
+    archive, _, _ = exported(tmp_path, kv)
+    src = FuserRegistry(tmp_path / "remote-zero")
+    v = version(zero)
+    src.save(random_fuser(kv, 1, zero), zero.to_dict(), v,
+             FuserCard.for_version(v, train_steps=500, train_examples=4000, data="public split"),
+             make_latest=False)
+    control = src.export(v, tmp_path / "zero.tar")
+    reg = FuserRegistry(tmp_path / "run")
+    assert reg.import_(control) == v and reg.latest(SHARER, RECEIVER) is None
+    real = reg.import_(archive)
+    assert reg.import_(control) == v and reg.latest(SHARER, RECEIVER) == real
+    assert reg.load_state(v)[1]["sharer_control"] == "zero"
