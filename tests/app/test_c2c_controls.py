@@ -236,3 +236,16 @@ def test_compose_time_checks_of_the_control_and_nll_keys():
     with pytest.raises(ConfigError, match="c2c.eval.gsm8k_n must be an integer >= 0"):
         check_eval(compose("tiny", ["c2c.eval.gsm8k_n=-1"]))
     C2C().check(compose("tiny", ["c2c.eval.controls=true", "c2c.eval.modes=[alone,c2c,c2c_zero,c2c_shuffled]"]))
+
+
+def test_more_gsm8k_questions_than_the_test_split_holds_is_refused_at_compose():
+    """c2c.eval.gsm8k_n above the GSM8K test split (in a local mirror) is one line at compose,
+    not a failure after the federation has trained."""
+    from tests.conftest import mirror_path
+
+    mirror = mirror_path()
+    if mirror is None:
+        pytest.skip("no data mirror: set EDGEFUSE_DATA_MIRROR or place ../shared/data")
+    check_eval(compose("tiny", [f"data.mirror={mirror}", "c2c.eval.gsm8k_n=1319"]))
+    with pytest.raises(ConfigError, match=r"c2c.eval.gsm8k_n=1320 .* 1319 questions"):
+        check_eval(compose("tiny", [f"data.mirror={mirror}", "c2c.eval.gsm8k_n=1320"]))

@@ -84,6 +84,7 @@ from edgefuse.c2c.handshake import HANDSHAKE_BYTES
 from edgefuse.c2c.peer import pack_frames, unpack_frames
 from edgefuse.c2c.registry import FuserRegistry, FuserVersion, FuserVersionError, pack_state
 from edgefuse.config import ConfigError
+from edgefuse.data import load_gsm8k_split, mirror_dir
 from edgefuse.eval import stats
 from edgefuse.eval.queries import Query, dolly_eval_queries, load_gsm8k, load_mmlu, rouge_l
 from edgefuse.transport.identity import device_name
@@ -135,7 +136,8 @@ def check_eval(cfg) -> None:
     Raises:
         ConfigError: ``c2c.eval.controls`` not a bool, controls without ``c2c`` in
             ``c2c.eval.modes``, a control mode listed in ``c2c.eval.modes`` without
-            ``c2c.eval.controls: true``, a negative ``gsm8k_n`` or ``nll_max_tokens``.
+            ``c2c.eval.controls: true``, a negative ``gsm8k_n`` or ``nll_max_tokens``, a
+            ``gsm8k_n`` above the GSM8K test split (checked when the mirror is local).
     """
     c2c = cfg.get("c2c")
     if c2c is None or not c2c.get("enabled"):
@@ -155,6 +157,14 @@ def check_eval(cfg) -> None:
         value = ev.get(key, 0)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ConfigError(f"c2c.eval.{key} must be an integer >= 0, got {value!r}")
+    if ev.get("gsm8k_n", 0) > 0 and mirror_dir(cfg.data.get("mirror")) is not None:
+        try:  # a local mirror: cheap, checked now rather than after the federation trained
+            held = len(load_gsm8k_split(cfg.data, "test"))
+        except FileNotFoundError as e:
+            raise ConfigError(f"c2c.eval.gsm8k_n={ev.gsm8k_n}: {e}") from None
+        if ev.gsm8k_n > held:
+            raise ConfigError(f"c2c.eval.gsm8k_n={ev.gsm8k_n} but the GSM8K test split holds {held} "
+                              f"questions: use c2c.eval.gsm8k_n <= {held}")
 
 
 def control_version(service: FuserService, sharer: Side, receiver: Side, control: str) -> FuserVersion:
