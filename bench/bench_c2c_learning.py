@@ -159,7 +159,7 @@ def run_pair(args, cfg, sharer_name, receiver_name, models, store, report, entry
     del probe
 
     steps_total = max(1, max_seen // args.batch_size)
-    seen_points = [p for p in (2 ** k for k in range(4, 30)) if args.batch_size <= p <= max_seen]
+    seen_points = [p for p in (2 ** k for k in range(4, 30)) if max(args.batch_size, args.first_seen) <= p <= max_seen]
     if seen_points[-1] != steps_total * args.batch_size:
         seen_points.append(steps_total * args.batch_size)
     fusers = {}
@@ -221,6 +221,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-seq-len", type=int, default=128, help="tokens per training example")
     ap.add_argument("--max-seen", type=int, default=2048, help="training examples seen, first pair")
     ap.add_argument("--max-seen-other", type=int, default=1024, help="the same for the other pairs")
+    ap.add_argument("--first-seen", type=int, default=64, help="the first point of the curve")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -234,6 +235,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.train_dolly, args.train_gsm8k, args.heldout_dolly, args.heldout_gsm8k = 24, 8, 8, 8
         args.max_seen = args.max_seen_other = 32
+        args.first_seen = 16
         args.t2t_tokens = 8
     pairs = [tuple(p.strip() for p in item.split("->")) for item in args.pairs.split(",")]
     per_cat = max(1, math.ceil(args.heldout_dolly / 8))
@@ -265,7 +267,7 @@ def main(argv=None) -> int:
         entry = {"sharer": sharer, "receiver": receiver, "strong_to_weak": k == 0}
         report["pairs"].append(entry)
         # the first pair may use the budget the others leave: give each later pair its share
-        pair_end = budget_end if k == len(pairs) - 1 else time.time() + (budget_end - time.time()) * (0.7 if k == 0 else 0.5)
+        pair_end = budget_end if k == len(pairs) - 1 else time.time() + (budget_end - time.time()) * (0.75 if k == 0 else 0.5)
         run_pair(args, cfg, sharer, receiver, models, store, report, entry, pair_end,
                  args.max_seen if k == 0 else args.max_seen_other)
         report["wall_s"] = time.time() - report["started"]

@@ -98,6 +98,31 @@ def test_tiny_c2c_trains_hosts_and_applies_fusers_for_every_pair(tmp_path):
     _check_privacy(res, out)
 
 
+def test_tiny_c2c_with_controls_through_flwr_run(tmp_path):
+    """c2c.eval.controls through the whole job: the server trains the zero- and
+    shuffled-sharer fusers with the real one's budget, the receiver installs all three, and
+    the rows carry the controls and c2c's paired NLL differences from them."""
+    res = run_edgefuse(tmp_path, "experiment=tiny", "federation.num_rounds=1", "cloud=disabled",
+                       "privacy=disabled", 'c2c.pairs=["tiny-qwen2->tiny-llama"]', "c2c.eval.controls=true",
+                       "c2c.eval.modes=[alone,c2c]", "c2c.eval.gsm8k_n=2")
+    assert res["status"] == "completed"
+    fusers = {f["control"]: f for f in res["fusers"]}
+    assert sorted(fusers) == ["none", "shuffled", "zero"]
+    assert len({f["version"] for f in fusers.values()}) == 3
+    assert {f["action"] for f in fusers.values()} == {"trained"}
+    assert len({f["train_steps"] for f in fusers.values()}) == 1
+    rows = {r["mode"]: r for r in res["c2c"]}
+    assert sorted(rows) == ["alone", "c2c", "c2c_shuffled", "c2c_zero"]
+    assert all(r.get("error") is None for r in rows.values()), [r.get("error") for r in rows.values()]
+    n = rows["alone"]["n_nll"] if "n_nll" in rows["alone"] else None
+    c2c = rows["c2c"]
+    for key in ("nll", "nll_vs_alone", "nll_vs_zero", "nll_vs_shuffled"):
+        assert c2c.get(key) is not None, (key, sorted(c2c))
+    assert c2c["nll_vs_alone"] == pytest.approx(c2c["nll"] - rows["alone"]["nll"], abs=1e-9)
+    assert c2c["nll_vs_zero"] == pytest.approx(c2c["nll"] - rows["c2c_zero"]["nll"], abs=1e-9)
+    assert n is None or n > 0
+
+
 def _check_decoding(res: dict, out: Path) -> None:
     """The same run's cloud phase: the tiny target served by its own process, the tiny-qwen2
     client decoding 2 GSM8K + 8 Dolly prompts in every mode with two concurrent sessions."""
