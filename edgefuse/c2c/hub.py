@@ -345,8 +345,9 @@ class FuserService:
         s_model, s_tok = get(sharer.model)
         train_rows, val_rows = self.public("fuser_train"), self.public("fuser_val")
         max_len = int(t.max_seq_len)
-        examples = build_pair_examples(train_rows, r_tok, s_tok, max_len)
-        val = build_pair_examples(val_rows, r_tok, s_tok, max_len)
+        build = store.pair_examples if store is not None else (
+            lambda rows, a, b, n: build_pair_examples(rows, a, b, n))
+        examples, val = build(train_rows, r_tok, s_tok, max_len), build(val_rows, r_tok, s_tok, max_len)
         fcfg = self.fuser_config(control)
         fuser = C2CFuser(kv_spec_from_config(r_model.config), kv_spec_from_config(s_model.config), fcfg)
         fuser.to(_device(r_model))

@@ -8,6 +8,7 @@ safetensors file::
 
     <root>/<model key>/<dtype>/probe.safetensors            the model's fingerprint (below)
     <root>/<model key>/<dtype>/<sha256 of the ids>.safetensors   one prompt's cache
+    <root>/examples/<sha256 of rows, tokenizers, max_seq_len>.json   tokenized pairs + alignments
 
 **Invalidation.** The model key names the model version (spec and adapter hash,
 :class:`edgefuse.c2c.registry.ModelVersion`), so a changed adapter reads another folder. A
@@ -28,7 +29,9 @@ written atomically.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import warnings
 import weakref
 from pathlib import Path
@@ -39,6 +42,8 @@ from safetensors.torch import load, save
 from transformers import DynamicCache
 
 from edgefuse.io import atomic_write_bytes
+
+from .examples import PairExample, build_pair_examples
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _PROBE_IDS = [1, 2, 3, 5, 8, 13, 21, 34]
@@ -215,6 +220,51 @@ class PrefillStore:
         self.misses += 1
         return cache
 
+    def pair_examples(self, rows: list[dict], receiver_tok, sharer_tok, max_seq_len: int) -> list[PairExample]:
+        """:func:`edgefuse.c2c.examples.build_pair_examples` of ``rows``, kept on disk (the
+        tokenizations and token alignments), keyed by the rows, both tokenizers'
+        :func:`tokenizer_digest` and ``max_seq_len``; an unreadable file is rebuilt."""
+        path = self.root / "examples" / f"{_examples_key(rows, receiver_tok, sharer_tok, max_seq_len)}.json"
+        if path.exists():
+            cached = _read_examples(path)
+            if cached is not None:
+                return cached
+        built = build_pair_examples(rows, receiver_tok, sharer_tok, max_seq_len)
+        atomic_write_bytes(path, json.dumps([dataclasses.asdict(ex) for ex in built]).encode())
+        return built
+
+
+def tokenizer_digest(tok) -> str:
+    """sha256 (hex) of what decides a tokenization: the fast tokenizer's serialized state,
+    the chat template and the special tokens."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    parts = [backend.to_str() if backend is not None else type(tok).__name__,
+             str(getattr(tok, "chat_template", None)), json.dumps(tok.special_tokens_map, sort_keys=True,
+                                                                   default=str)]
+    return hashlib.sha256("\x00".join(parts).encode()).hexdigest()
+
+
+def _examples_key(rows: list[dict], receiver_tok, sharer_tok, max_seq_len: int) -> str:
+    text = json.dumps({"format": 1, "max_seq_len": int(max_seq_len),
+                       "receiver": tokenizer_digest(receiver_tok), "sharer": tokenizer_digest(sharer_tok),
+                       "rows": [[r.get("instruction"), r.get("context"), r.get("response")] for r in rows]},
+                      sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _read_examples(path: Path) -> list[PairExample] | None:
+    try:
+        data = json.loads(path.read_text())
+        names = [f.name for f in dataclasses.fields(PairExample)]
+        out = []
+        for d in data:
+            if sorted(d) != sorted(names) or not all(isinstance(d[n], list) for n in names):
+                return None
+            out.append(PairExample(**{n: d[n] for n in names}))
+        return out
+    except Exception:  # noqa: BLE001 - an unreadable file is rebuilt
+        return None
+
 
 class Prefiller:
     """The prompt caches of one frozen model version: from a :class:`PrefillStore` when one
@@ -238,4 +288,4 @@ class Prefiller:
         return self.store.get(self.model, self.key, ids)
 
 
-__all__ = ["PrefillStore", "Prefiller", "prefill", "DTYPES"]
+__all__ = ["PrefillStore", "Prefiller", "prefill", "tokenizer_digest", "DTYPES"]

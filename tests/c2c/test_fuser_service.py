@@ -206,7 +206,9 @@ def test_fusers_train_on_the_fuser_slices(cfg, public, tmp_path, monkeypatch):
         seen.append(rows)
         return real(rows, *a, **kw)
 
-    monkeypatch.setattr(service_mod, "build_pair_examples", record)
+    from edgefuse.c2c import prefill as prefill_mod
+
+    monkeypatch.setattr(prefill_mod, "build_pair_examples", record)  # built once, then kept by the store
     sides = {LLAMA: side(cfg, LLAMA, None), QWEN: side(cfg, QWEN, None, 2)}
     rows = FuserService(cfg, FuserRegistry(tmp_path)).update(sides, [(QWEN, LLAMA)], 1)
     assert rows[0]["action"] == "trained", rows[0].get("reason")

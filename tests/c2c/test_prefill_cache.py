@@ -362,3 +362,26 @@ def test_resume_refuses_a_checkpoint_of_another_schedule_or_data(models, tmp_pat
         train_fuser(_fuser(recv, share, randomize=False), recv, share, examples[1:] + examples[:1], **kw)
     out = train_fuser(_fuser(recv, share, randomize=False), recv, share, examples, **kw)
     assert out["resumed_from"] == 3 and len(out["losses"]) == 6
+
+
+def test_pair_examples_are_kept_and_keyed_by_rows_tokenizers_and_length(models, tmp_path, monkeypatch):
+    """The tokenizations and alignments are built once: the second call reads the file (the
+    builder is not called); other rows, another tokenizer or another max_seq_len build anew;
+    a torn file is rebuilt."""
+    from edgefuse.c2c import prefill as prefill_mod
+
+    (_, rtok), (_, qtok), (_, gtok) = models["llama"], models["qwen2"], models["gemma3_text"]
+    store = PrefillStore(tmp_path)
+    first = store.pair_examples(VARIED, rtok, qtok, 256)
+    assert first == build_pair_examples(VARIED, rtok, qtok, 256)
+    calls = []
+    real = prefill_mod.build_pair_examples
+    monkeypatch.setattr(prefill_mod, "build_pair_examples", lambda *a: calls.append(a) or real(*a))
+    assert store.pair_examples(VARIED, rtok, qtok, 256) == first and calls == []
+    store.pair_examples(VARIED[:3], rtok, qtok, 256)
+    store.pair_examples(VARIED, rtok, gtok, 256)
+    store.pair_examples(VARIED, rtok, qtok, 64)
+    assert len(calls) == 3 and len(list((tmp_path / "examples").glob("*.json"))) == 4
+    for f in (tmp_path / "examples").glob("*.json"):
+        f.write_text('[{"receiver_prompt_ids": 1}]')
+    assert store.pair_examples(VARIED, rtok, qtok, 256) == first and len(calls) == 4
