@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import json
 import warnings
 import weakref
@@ -47,6 +48,7 @@ from .examples import PairExample, build_pair_examples
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _PROBE_IDS = [1, 2, 3, 5, 8, 13, 21, 34]
+_HEADER_BYTES = 64 * 1024  # a cache file's safetensors header and alignment, at most
 
 
 def _device(model) -> torch.device:
@@ -207,8 +209,12 @@ class PrefillStore:
         path = folder / f"{digest}.safetensors"
         if path.exists():
             try:
+                expected = _expected(model, probe, len(ids), self.dtype)
+                bound = _HEADER_BYTES + sum(math.prod(shape) * dtype.itemsize for shape, dtype in expected.values())
+                if path.stat().st_size > bound:  # never read a file larger than this cache can be
+                    raise ValueError(f"{path} is larger than a cache of {len(ids)} tokens")
                 tensors = load(path.read_bytes())
-                _check_tensors(tensors, _expected(model, probe, len(ids), self.dtype), len(ids))
+                _check_tensors(tensors, expected, len(ids))
                 cache = _from_tensors(tensors, model)
                 if cache.get_seq_length() == len(ids):
                     self.hits += 1

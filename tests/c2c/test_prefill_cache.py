@@ -385,3 +385,26 @@ def test_pair_examples_are_kept_and_keyed_by_rows_tokenizers_and_length(models, 
     for f in (tmp_path / "examples").glob("*.json"):
         f.write_text('[{"receiver_prompt_ids": 1}]')
     assert store.pair_examples(VARIED, rtok, qtok, 256) == first and len(calls) == 4
+
+
+def test_a_cache_file_larger_than_its_cache_is_never_read(models, tmp_path, monkeypatch):
+    """Attack: a (sparse) 1 GiB file in place of a prompt's cache. It is recomputed without
+    being read into memory (its size is checked against the cache's first)."""
+    import hashlib
+    from pathlib import Path
+
+    recv = models["llama"][0]
+    ids = _examples(models)[0].receiver_prompt_ids
+    PrefillStore(tmp_path).get(recv, "m", ids)
+    digest = hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:32]
+    path = PrefillStore(tmp_path).folder("m") / f"{digest}.safetensors"
+    with open(path, "r+b") as f:
+        f.truncate(1 << 30)
+    read = []
+    real = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda self: read.append(self.name) or real(self))
+    store = PrefillStore(tmp_path)
+    got = store.get(recv, "m", ids)
+    assert path.name not in read and (store.hits, store.misses) == (0, 1)
+    assert torch.equal(got.layers[0].keys, prefill(recv, ids).layers[0].keys)
+    assert path.stat().st_size < 1 << 20  # rewritten
