@@ -272,7 +272,8 @@ class C2C(Phase):
             return []
         s = sides(self.strategy, reps)
         rows = self.service.update(s, self.pairs, round_idx)
-        self.pairs = [(r["sharer"], r["receiver"]) for r in rows if r["action"] != "failed"]
+        self.pairs = [(r["sharer"], r["receiver"]) for r in rows  # a pair once: its real fuser's row
+                      if r["action"] != "failed" and r.get("control", "none") == "none"]
         if "multi" in self.cfg.c2c.eval.modes:
             self._train_gates(s)
         status = self._distribute()
