@@ -112,6 +112,27 @@ def target_check(s: dict) -> dict:
                                "paired interval below zero, on all held-out items"}
 
 
+def run_t2t(args, held, held_rows, r_model, r_tok, s_model, s_tok, probe, amp, items, entry, end) -> None:
+    """Text-to-text on the held-out items: the sharer's greedy answer in the receiver's
+    context; skipped (and said so) when the sharer's answers would not fit the budget."""
+    t0 = time.perf_counter()
+    answers = []
+    for k, ex in enumerate(held):
+        if time.time() > end:
+            entry["t2t_skipped"] = f"time budget: {k} of {len(held)} sharer answers generated"
+            print(f"[bench] T2T skipped: {entry['t2t_skipped']}", flush=True)
+            return
+        answers += sharer_answers(s_model, s_tok, [ex], args.t2t_tokens)
+    hinted = [{**r, "context": (f"{r['context'].strip()}\n\n" if r.get("context", "").strip() else "")
+               + f"{HINT_HEADER}\n{a}"} for r, a in zip(held_rows, answers)]
+    t2t = build_pair_examples(hinted, r_tok, s_tok, 1024)
+    assert [e.continuation_ids[1:] for e in t2t] == [e.continuation_ids[1:] for e in held]
+    items["t2t"] = evaluate_pair(probe, r_model, s_model, t2t, gate="off", amp=amp,
+                                 receiver_prefill=Prefiller(r_model))["per_example"]
+    entry["t2t_seconds"] = time.perf_counter() - t0
+    entry["t2t_example"] = {"prompt": held_rows[0]["instruction"][:200], "sharer_answer": answers[0][:300]}
+
+
 def run_pair(args, cfg, sharer_name, receiver_name, models, store, report, entry, budget_end, max_seen):
     device = train_device(cfg.c2c.train)
     amp = use_amp(cfg.c2c.train, device)
@@ -145,18 +166,6 @@ def run_pair(args, cfg, sharer_name, receiver_name, models, store, report, entry
     fcfg = fuser_config(cfg)
     probe = C2CFuser(kv_spec_from_config(r_model.config), kv_spec_from_config(s_model.config), fcfg)
     items = {"alone": evaluate_pair(probe, r_model, s_model, held, gate="off", amp=amp, **pre)["per_example"]}
-
-    t0 = time.perf_counter()
-    answers = sharer_answers(s_model, s_tok, held, args.t2t_tokens)
-    hinted = [{**r, "context": (f"{r['context'].strip()}\n\n" if r.get("context", "").strip() else "")
-               + f"{HINT_HEADER}\n{a}"} for r, a in zip(held_rows, answers)]
-    t2t = build_pair_examples(hinted, r_tok, s_tok, 1024)
-    assert [e.continuation_ids[1:] for e in t2t] == [e.continuation_ids[1:] for e in held]
-    items["t2t"] = evaluate_pair(probe, r_model, s_model, t2t, gate="off", amp=amp,
-                                 receiver_prefill=Prefiller(r_model))["per_example"]
-    entry["t2t_seconds"] = time.perf_counter() - t0
-    entry["t2t_example"] = {"prompt": held_rows[0]["instruction"][:200], "sharer_answer": answers[0][:300]}
-    del probe
 
     steps_total = max(1, max_seen // args.batch_size)
     seen_points = [p for p in (2 ** k for k in range(4, 30)) if max(args.batch_size, args.first_seen) <= p <= max_seen]
@@ -200,12 +209,20 @@ def run_pair(args, cfg, sharer_name, receiver_name, models, store, report, entry
         atomic_write_json(Path(args.out), report)
         p = point["summary"]["all"]
         print(f"[bench] {sharer_name}->{receiver_name} seen {seen}: NLL alone {p['nll']['alone']['mean']:.4f} "
-              f"t2t {p['nll']['t2t']['mean']:.4f} c2c {p['nll']['c2c']['mean']:.4f} zero {p['nll']['zero']['mean']:.4f} "
+              f"c2c {p['nll']['c2c']['mean']:.4f} zero {p['nll']['zero']['mean']:.4f} "
               f"shuffled {p['nll']['shuffled']['mean']:.4f}; c2c-zero {p['paired']['c2c-zero']['mean']:+.4f} "
               f"[{p['paired']['c2c-zero']['low']:+.4f}, {p['paired']['c2c-zero']['high']:+.4f}], c2c-shuffled "
               f"{p['paired']['c2c-shuffled']['mean']:+.4f} [{p['paired']['c2c-shuffled']['low']:+.4f}, "
               f"{p['paired']['c2c-shuffled']['high']:+.4f}] ({point['seconds']:.0f} s)", flush=True)
-    del fusers
+    run_t2t(args, held, held_rows, r_model, r_tok, s_model, s_tok, probe, amp, items, entry,
+            budget_end + 60 * args.t2t_grace_min)
+    if entry["curve"]:
+        last = entry["curve"][-1]
+        last["summary"] = summary(items, groups)  # with T2T, on the same items
+        entry["final"], entry["items"] = last["summary"], dict(items)
+        report["wall_s"] = time.time() - report["started"]
+        atomic_write_json(Path(args.out), report)
+    del fusers, probe
     gc.collect()
 
 
@@ -226,6 +243,10 @@ def main(argv=None) -> int:
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--t2t-tokens", type=int, default=48)
+    ap.add_argument("--min-pair-min", type=float, default=15.0,
+                    help="a later pair runs only with at least this many minutes of budget left")
+    ap.add_argument("--t2t-grace-min", type=float, default=10.0,
+                    help="minutes past a pair's budget its T2T baseline may still take")
     ap.add_argument("--budget-min", type=float, default=100.0, help="wall-clock budget of the whole run")
     ap.add_argument("--prefill-dir", default=str(Path.home() / ".cache" / "edgefuse" / "bench-prefill"))
     ap.add_argument("--work-dir", default=str(ROOT / "bench" / "results" / ".c2c_learning"))
@@ -266,6 +287,10 @@ def main(argv=None) -> int:
         gc.collect()
         entry = {"sharer": sharer, "receiver": receiver, "strong_to_weak": k == 0}
         report["pairs"].append(entry)
+        if k > 0 and budget_end - time.time() < 60 * args.min_pair_min:
+            entry["skipped"] = f"time budget: under {args.min_pair_min:g} min left for this pair"
+            print(f"[bench] {sharer}->{receiver} skipped: {entry['skipped']}", flush=True)
+            continue
         # the first pair may use the budget the others leave: give each later pair its share
         pair_end = budget_end if k == len(pairs) - 1 else time.time() + (budget_end - time.time()) * (0.75 if k == 0 else 0.5)
         run_pair(args, cfg, sharer, receiver, models, store, report, entry, pair_end,
@@ -301,7 +326,8 @@ def _plot(report: dict, path: Path) -> None:
             top.plot(xs, ys, "o-", color=c, label=m if m == "c2c" else f"{m} sharer (control)")
         fin = p["final"]["all"]["nll"]
         top.axhline(fin["alone"]["mean"], ls="--", color="grey", label="receiver alone")
-        top.axhline(fin["t2t"]["mean"], ls=":", color="tab:blue", label="text-to-text")
+        if "t2t" in fin:
+            top.axhline(fin["t2t"]["mean"], ls=":", color="tab:blue", label="text-to-text")
         top.set_xscale("log", base=2)
         top.set_ylabel("held-out NLL (nats / response token)")
         top.set_title(f"{p['receiver']} <- {p['sharer']} (n={p['heldout']})")

@@ -80,7 +80,7 @@ def test_tiny_c2c_trains_hosts_and_applies_fusers_for_every_pair(tmp_path):
     rows = res["c2c"]
     assert all(r.get("error") is None for r in rows), [r.get("error") for r in rows]
     n = rows[0]["n"]
-    assert n == 3 + 8 and all(r["n"] == n for r in rows)  # 3 MMLU + 1 Dolly row per category
+    assert n == 3 + 8 + 1 and all(r["n"] == n for r in rows)  # 3 MMLU, 1 Dolly row per category, 1 GSM8K
     by = {(r["receiver"], r["mode"], tuple(r["sharers"])): r for r in rows}
     assert len(by) == len(rows) == 3 * (1 + 3 * 2 + 1)  # alone, 2 x (t2t, c2c, co_c2c), multi
     for m in models:
