@@ -20,10 +20,14 @@ VENV_BIN = Path(sys.executable).parent
 
 @pytest.fixture
 def beside(tmp_path, monkeypatch):
-    """A checkout at tmp/checkout with a data mirror beside it (tmp/shared/data/dolly) and
+    """A checkout at tmp/checkout with a data mirror beside it (tmp/shared/data/dolly, four
+    GSM8K test rows) and
     no EDGEFUSE_* variables: the default resolution finds that mirror."""
     mirror = tmp_path / "shared" / "data"
     (mirror / "dolly").mkdir(parents=True)
+    (mirror / "gsm8k").mkdir()  # compose counts the GSM8K test rows against c2c.eval.gsm8k_n
+    (mirror / "gsm8k" / "test.jsonl").write_text(
+        "".join(f'{{"question": "What is {i} + 1?", "answer": "{i} + 1 = {i + 1}\\n#### {i + 1}"}}\n' for i in range(4)))
     monkeypatch.setattr(data, "PROJECT_ROOT", tmp_path / "checkout")
     for var in ("EDGEFUSE_DATA_MIRROR", "EDGEFUSE_CACHE", "EDGEFUSE_OUTPUTS"):
         monkeypatch.delenv(var, raising=False)

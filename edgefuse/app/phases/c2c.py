@@ -84,7 +84,7 @@ from edgefuse.c2c.handshake import HANDSHAKE_BYTES
 from edgefuse.c2c.peer import pack_frames, unpack_frames
 from edgefuse.c2c.registry import FuserRegistry, FuserVersion, FuserVersionError, pack_state
 from edgefuse.config import ConfigError
-from edgefuse.data import load_gsm8k_split, mirror_dir
+from edgefuse.data import mirror_dir
 from edgefuse.eval import stats
 from edgefuse.eval.queries import Query, dolly_eval_queries, load_gsm8k, load_mmlu, rouge_l
 from edgefuse.transport.identity import device_name
@@ -157,11 +157,16 @@ def check_eval(cfg) -> None:
         value = ev.get(key, 0)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ConfigError(f"c2c.eval.{key} must be an integer >= 0, got {value!r}")
-    if ev.get("gsm8k_n", 0) > 0 and mirror_dir(cfg.data.get("mirror")) is not None:
-        try:  # a local mirror: cheap, checked now rather than after the federation trained
-            held = len(load_gsm8k_split(cfg.data, "test"))
-        except FileNotFoundError as e:
-            raise ConfigError(f"c2c.eval.gsm8k_n={ev.gsm8k_n}: {e}") from None
+    mirror = mirror_dir(cfg.data.get("mirror"))
+    if ev.get("gsm8k_n", 0) > 0 and mirror is not None:
+        # a local mirror: its rows counted now (no dataset loaded), not after the federation trained
+        path = mirror / "gsm8k" / "test.jsonl"
+        if not path.is_file():
+            raise ConfigError(f"c2c.eval.gsm8k_n={ev.gsm8k_n}: GSM8K mirror file not found: {path} "
+                              f"(data.mirror={str(mirror)!r}); point data.mirror at the folder holding "
+                              "gsm8k/test.jsonl, or set data.mirror=hub")
+        with path.open("rb") as f:
+            held = sum(1 for line in f if line.strip())
         if ev.gsm8k_n > held:
             raise ConfigError(f"c2c.eval.gsm8k_n={ev.gsm8k_n} but the GSM8K test split holds {held} "
                               f"questions: use c2c.eval.gsm8k_n <= {held}")
