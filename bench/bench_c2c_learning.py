@@ -16,7 +16,7 @@ comparison is paired over the items with a 95 % paired-bootstrap interval
 ``--response-chars`` characters (at a word) and prompts never cut, so every mode scores
 exactly the same response tokens.
 
-    python bench/bench_c2c_learning.py                       # ~100 min on 2 CPU cores
+    python bench/bench_c2c_learning.py                       # its time budget: 100 min (--budget-min)
     python bench/bench_c2c_learning.py --quick               # a few minutes: the pipeline only
     python bench/bench_c2c_learning.py --budget-min 600 --max-seen 65536   # a GPU machine
 
