@@ -46,7 +46,6 @@ import re
 import time
 import warnings
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
