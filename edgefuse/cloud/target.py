@@ -145,17 +145,20 @@ def _fed(bsz: int, longest: int, min_rows: int) -> int:
 
 
 @torch.no_grad()
-def batched_forward(model, per: list, pasts: list[int], inputs: list[list[int]], pad_id: int,
-                    min_rows: int = 1, output: str = "logits"):
+def batched_forward(model, per: list, pasts: list[int], inputs: list, pad_id: int,
+                    min_rows: int = 1, output: str = "logits", offsets: list[int] | None = None):
     """One forward pass over several independent sequences, each with its own KV cache.
 
     Row b continues ``per[b]`` (``[(k, v)]`` per layer, ``(1, kv_heads, pasts[b], d)``, or
-    None when ``pasts[b] == 0``) with ``inputs[b]`` (``m_b`` ids). The caches are
-    left-padded to the longest, the inputs right-padded, and a 2-D attention mask hides
-    both pads; positions continue each row's own length. When the batch holds 2 to
-    ``min_rows - 1`` token rows in all, the inputs are padded to ``min_rows`` rows (pad
-    rows are never returned). A single sequence gets no batch padding or mask (only that
-    row padding), so it computes exactly as alone.
+    None when ``pasts[b] == 0``) with ``inputs[b]``: ``m_b`` token ids (``list[int]``) or
+    ``m_b`` input embeddings (a float Tensor ``[m_b, H]``, cast to the model's dtype; all
+    rows of one call are of one kind). The caches are left-padded to the longest, the inputs
+    right-padded (pad id, or zero vectors), and a 2-D attention mask hides both pads; row
+    b's positions are ``offsets[b] + pasts[b] + 0, 1, ...`` (``offsets`` None = all 0: a
+    cache that starts at position 0). When the batch holds 2 to ``min_rows - 1`` token rows
+    in all, the inputs are padded to ``min_rows`` rows (pad rows are never returned). A
+    single sequence gets no batch padding or mask (only that row padding), so it computes
+    exactly as alone.
 
     Args:
         model: a causal LM (``output="logits"``) or its decoder body
@@ -164,28 +167,49 @@ def batched_forward(model, per: list, pasts: list[int], inputs: list[list[int]],
         ``(outs, kvs)``: per row ``[m_b, V]`` logits (or ``[m_b, H]`` hidden states) and its
         new cache ``[(k, v)]`` of ``pasts[b] + m_b`` positions, plus pad positions at the
         end for a single padded row (callers crop to what they keep).
+    Raises:
+        ValueError: ids and embeddings mixed, or ``offsets`` of another length than ``inputs``.
     """
     def rows(total: int) -> int:
         return min_rows if 1 < total < min_rows else total
 
+    embeds = isinstance(inputs[0], torch.Tensor)
+    if any(isinstance(x, torch.Tensor) != embeds for x in inputs):
+        raise ValueError("batched_forward: inputs mix token ids and embeddings")
+    offs = [0] * len(inputs) if offsets is None else [int(o) for o in offsets]
+    if len(offs) != len(inputs):
+        raise ValueError(f"batched_forward: {len(offs)} offsets for {len(inputs)} inputs")
+    dtype = getattr(model, "dtype", None) if embeds else None
+
+    def feed(batch) -> dict:
+        return {"inputs_embeds": batch} if embeds else {"input_ids": batch}
+
     if len(inputs) == 1:
-        ids, past = inputs[0], pasts[0]
-        real = len(ids)
+        x, past = inputs[0], pasts[0]
+        real = len(x)
         cache = cache_from_layers(per[0]) if past else DynamicCache()
-        ids = ids + [pad_id] * (rows(len(ids)) - len(ids))
-        pos = torch.arange(past, past + len(ids)).unsqueeze(0)
-        out = model(input_ids=torch.tensor([ids]), position_ids=pos, cache=cache, use_cache=True)
+        pad = rows(real) - real
+        if embeds:
+            x = x.to(dtype or x.dtype)
+            batch = torch.cat([x, x.new_zeros(pad, x.shape[1])]).unsqueeze(0)
+        else:
+            batch = torch.tensor([list(x) + [pad_id] * pad])
+        pos = torch.arange(offs[0] + past, offs[0] + past + real + pad).unsqueeze(0)
+        out = model(**feed(batch), position_ids=pos, cache=cache, use_cache=True)
         return [getattr(out, output)[0, :real]], [cache_layers(out)]
     lens, news, bsz = list(pasts), [len(x) for x in inputs], len(inputs)
     lmax = max(lens)
     mmax = -(-rows(bsz * max(news)) // bsz)
-    ids = torch.full((bsz, mmax), pad_id, dtype=torch.long)
+    if embeds:
+        batch = torch.zeros((bsz, mmax, inputs[0].shape[1]), dtype=dtype or inputs[0].dtype)
+    else:
+        batch = torch.full((bsz, mmax), pad_id, dtype=torch.long)
     mask = torch.zeros((bsz, lmax + mmax), dtype=torch.long)
     pos = torch.zeros((bsz, mmax), dtype=torch.long)
     for b, (x, L) in enumerate(zip(inputs, lens)):
-        ids[b, :len(x)] = torch.tensor(x)
+        batch[b, :len(x)] = x if embeds else torch.tensor(x)
         mask[b, lmax - L:lmax + len(x)] = 1
-        pos[b] = torch.arange(L, L + mmax)
+        pos[b] = torch.arange(offs[b] + L, offs[b] + L + mmax)
     cache = DynamicCache()
     if lmax > 0:
         ref = next(p for p in per if p is not None)
@@ -197,7 +221,7 @@ def batched_forward(model, per: list, pasts: list[int], inputs: list[list[int]],
                 if L:
                     k[b:b + 1, :, lmax - L:], v[b:b + 1, :, lmax - L:] = per[b][i]
             cache.update(k, v, i)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
+    out = model(**feed(batch), attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
     layers = cache_layers(out)
     outs, kvs = [], []
     for b, (L, m) in enumerate(zip(lens, news)):
