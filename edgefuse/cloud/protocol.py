@@ -12,7 +12,8 @@ probabilities float16)::
 
     IDENTIFY  device→cloud  32-byte Ed25519 public key ‖ 64-byte signature   (first frame only)
     OPEN      device→cloud  u16 len ‖ JSON {fingerprint, temperature, top_k, seed, max_new,
-                            flag_cache, l_cache, offset} ‖ int32[n] prompt ids
+                            flag_cache, l_cache, offset[, split]} ‖ int32[n] prompt ids
+                            (split: {k, m, head_split, act, mask}; a split OPEN has n = 0)
     VERIFY    device→cloud  u32 req ‖ u32 base_len ‖ AUTH5 ‖ u32 c ‖ int32[c] context
                             ‖ u8 γ ‖ int32[γ] draft ids
                             ‖ u8 kq ‖ γ × (int32[kq] ids ‖ f16[kq] q-probs)   (kq = 0: greedy)
@@ -20,11 +21,17 @@ probabilities float16)::
                             ‖ u8 m ‖ int32[m] committed ids ‖ u16 k
     AUTH      device→cloud  AUTH5
     CLOSE     device→cloud  (empty)
-    OPENED    cloud→device  u16 len ‖ JSON {model, fingerprint, context_len}
+    MID       device→cloud  u32 req ‖ u32 base_len ‖ AUTH5 ‖ u32 c ‖ u32 n ‖ acts[c + n]
+    HEAD      device→cloud  u32 req ‖ u32 n ‖ u16 k ‖ acts[n] of the D − s tail columns
+    MASK      device→cloud  bitmap of the vocabulary (⌈V/8⌉ bytes, bit i = id i, LSB first)
+    OPENED    cloud→device  u16 len ‖ JSON {model, fingerprint, context_len[, split]}
     VERIFIED  cloud→device  u32 req ‖ u8 accepted ‖ int32 token
     TOPK      cloud→device  u32 req ‖ u16 k ‖ int32[k] ids ‖ uint8[k] q ‖ f16 top ‖ f16 scale
                             ‖ f16 tail
     AUTHED    cloud→device  u32 held   (committed tokens the cloud holds after the AUTH)
+    MIDOUT    cloud→device  u32 req ‖ u32 n ‖ acts[n]
+    LOGITS    cloud→device  u32 req ‖ the masked partial logits (:mod:`edgefuse.cloud.vocab`)
+    MASKED    cloud→device  u32 count  (ids in the mask the cloud now uses)
     ERROR     cloud→device  u16 len ‖ JSON {code, message}
 
     AUTH5 = u8 flag_cache (0 | 1) ‖ u32 l_cache (0xFFFFFFFF = unlimited)
@@ -69,6 +76,23 @@ token when all γ are accepted). γ = 0 is remote autoregressive decoding: one t
 per round trip. At temperature > 0 the device drafts from a sparse distribution q (its
 top-kq, renormalised) and sends it, so the cloud can run exact rejection sampling.
 
+Split inference (MID / HEAD / MASK; the cloud side is :mod:`edgefuse.cloud.split_target`,
+the math :mod:`edgefuse.cloud.split`): the device runs the embeddings and the first ``k``
+decoder layers and the last ``m`` (+ the final norm and its share of the LM head), the cloud
+only the middle layers, and it never sees token ids. A split OPEN carries no prompt ids (a
+ProtocolError if it does): the prompt travels as activations in the first MID. ``acts[r]``
+is ``r`` rows of the session's ``act`` encoding (``int8``: per row a float16 absmax scale
+then D int8 values; ``float16``: D raw float16 values); D is the cloud's own hidden size,
+never read from the wire, and the body's length must be exactly ``acts_nbytes(r, D, act)``.
+A MID's ``base_len`` is the rows the device commits: the cloud's rows past it (the previous
+MID's drafted positions) are rolled back, valid iff committed ≤ base_len ≤ committed +
+pending (else ERROR ``sync``); its ``c`` rows are the re-sent window (exactly as VERIFY's
+context, :class:`SplitLedger`), its ``n`` rows the positions base_len .. base_len + n − 1
+(absolute positions everywhere), answered by MIDOUT with the middle's output for those n.
+HEAD (split head, ``s`` = head_split) sends the tail columns of the final hidden state of
+n rows, answered by LOGITS: the partial logits over the session's vocabulary mask (its top
+``k`` within the mask, 0 = the whole mask). MASK sets an ``explicit`` mask.
+
 FUSE (logit fusion, Floe): the cloud appends the ``m`` tokens the device committed since
 its last request and returns the top-k of its next-token log-probabilities, 8-bit quantized
 below the largest (``logprob ≈ top − q · scale``, q in 0..255) plus ``tail`` = log of the
@@ -100,14 +124,22 @@ MAX_REQUEST_BYTES = 64 * 1024
 # (magic ‖ token); the IDENTIFY frame that follows a hello is 97 + 26 bytes
 MAX_FIRST_MESSAGE_BYTES = 512
 
-OPEN, VERIFY, FUSE, CLOSE, AUTH, IDENTIFY = 1, 2, 3, 4, 5, 6
-OPENED, VERIFIED, TOPK, AUTHED, ERROR = 101, 102, 103, 104, 127
+OPEN, VERIFY, FUSE, CLOSE, AUTH, IDENTIFY, MID, HEAD, MASK = 1, 2, 3, 4, 5, 6, 7, 8, 9
+OPENED, VERIFIED, TOPK, AUTHED, MIDOUT, LOGITS, MASKED, ERROR = 101, 102, 103, 104, 105, 106, 107, 127
 TYPE_NAMES = {OPEN: "OPEN", VERIFY: "VERIFY", FUSE: "FUSE", CLOSE: "CLOSE", AUTH: "AUTH",
-              IDENTIFY: "IDENTIFY", OPENED: "OPENED", VERIFIED: "VERIFIED", TOPK: "TOPK",
-              AUTHED: "AUTHED", ERROR: "ERROR"}
+              IDENTIFY: "IDENTIFY", MID: "MID", HEAD: "HEAD", MASK: "MASK", OPENED: "OPENED",
+              VERIFIED: "VERIFIED", TOPK: "TOPK", AUTHED: "AUTHED", MIDOUT: "MIDOUT",
+              LOGITS: "LOGITS", MASKED: "MASKED", ERROR: "ERROR"}
 MAX_GAMMA = 255
 MAX_TOPK = 1024
 L_UNLIMITED = 0xFFFFFFFF  # l_cache on the wire for "no limit"
+SPLIT_ACTS = ("int8", "float16")  # activation encodings a split session may use
+SPLIT_KEYS = ("k", "m", "head_split", "act", "mask")
+MAX_SPLIT_INT = 1 << 20  # k, m, head_split on the wire (the cloud checks them against its model)
+MAX_MASK_NAME = 32  # characters of a mask name
+MAX_HEAD_ROWS = MAX_GAMMA + 1  # rows of one HEAD (a verified block: γ drafts + 1)
+# the header bytes of a MID before its acts: type, req, base_len, AUTH5, c, n
+MID_HEADER_BYTES = 1 + 4 + 4 + 5 + 4 + 4
 
 
 class ProtocolError(ValueError):
@@ -169,6 +201,123 @@ class CloudAuth:
 REVOKE = CloudAuth(False, 0)
 
 
+def _wire_int(name: str, v, lo: int = 0, hi: int = MAX_SPLIT_INT) -> int:
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or not lo <= int(v) <= hi:
+        raise ProtocolError(f"split {name} must be an int in {lo}..{hi}, got {v!r:.40}")
+    return int(v)
+
+
+@dataclass(frozen=True)
+class SplitRequest:
+    """A split OPEN's ``split`` field: the device holds layers ``[0, k)`` and the last ``m``
+    (+ the final norm and the head's first ``head_split`` columns; None = the whole head),
+    the cloud the middle; ``act``: the activation encoding (:data:`SPLIT_ACTS`); ``mask``:
+    the vocabulary mask of a split head (a name of :data:`edgefuse.cloud.vocab.MASK_NAMES`,
+    ``"explicit"`` = a MASK follows, None without a split head). Only the wire types are
+    checked here (:class:`ProtocolError`); whether the cloud's model and its policy allow
+    the split is the cloud's check (ERROR ``split``)."""
+    k: int
+    m: int
+    head_split: int | None = None
+    act: str = "int8"
+    mask: str | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "k", _wire_int("k", self.k))
+        object.__setattr__(self, "m", _wire_int("m", self.m))
+        if self.head_split is not None:
+            object.__setattr__(self, "head_split", _wire_int("head_split", self.head_split))
+        if not isinstance(self.act, str) or self.act not in SPLIT_ACTS:
+            raise ProtocolError(f"split act must be one of {SPLIT_ACTS}, got {self.act!r:.40}")
+        if self.mask is not None and (not isinstance(self.mask, str)
+                                      or not 1 <= len(self.mask) <= MAX_MASK_NAME):
+            raise ProtocolError(f"split mask must be null or a name of 1..{MAX_MASK_NAME} "
+                                f"characters, got {self.mask!r:.40}")
+
+    def to_dict(self) -> dict:
+        return {"k": self.k, "m": self.m, "head_split": self.head_split, "act": self.act,
+                "mask": self.mask}
+
+    @classmethod
+    def from_dict(cls, d) -> "SplitRequest":
+        """Parse the JSON object; raises :class:`ProtocolError` for a non-object, a missing
+        ``k`` / ``m``, an unknown key or a value of the wrong type or range."""
+        if not isinstance(d, dict):
+            raise ProtocolError(f"split must be a JSON object, got {type(d).__name__}")
+        extra = sorted(set(d) - set(SPLIT_KEYS))
+        if extra:
+            raise ProtocolError(f"split has unknown keys {extra[:4]!r:.80}")
+        if "k" not in d or "m" not in d:
+            raise ProtocolError("split needs k and m")
+        return cls(d["k"], d["m"], d.get("head_split"), d.get("act", "int8"), d.get("mask"))
+
+
+@dataclass
+class SplitLedger:
+    """The row bookkeeping of a split session, the same arithmetic on both ends (the cloud's
+    :class:`edgefuse.cloud.split_target.SplitSession` and the device): the CloudAuth rule of
+    VERIFY applied to middle-layer rows.
+
+    ``committed``: rows the device committed (the last MID's ``base_len``, or OPEN's
+    ``offset``); ``pending``: the last MID's ``n`` rows (drafted positions past
+    ``committed``); ``held``: the committed rows (the newest) whose input activations the
+    cloud keeps; ``pending_held``: of the pending rows, those it keeps (all or none).
+
+    - between requests the cloud keeps the last ``auth.held(committed)`` committed rows and,
+      while ``flag_cache`` and ``l_cache != 0``, the pending rows; nothing under
+      ``flag_cache`` = 0 (each MID re-sends its whole window);
+    - a MID with ``base_len`` = B (valid iff committed ≤ B ≤ committed + pending) rolls the
+      pending rows past B back; it needs the last ``auth.window(B)`` committed rows: the held
+      ones (a suffix ending at B) and ``c`` = :meth:`resend` rows just before them;
+    - once answered: committed = B, pending = n, held = ``auth.held(B)``.
+    """
+    committed: int = 0
+    pending: int = 0
+    held: int = 0
+    pending_held: int = 0
+
+    @staticmethod
+    def keeps_pending(auth: CloudAuth) -> bool:
+        """Whether ``auth`` lets the cloud keep a MID's rows until the next one."""
+        return auth.flag_cache and auth.l_cache != 0
+
+    def apply(self, auth: CloudAuth) -> int:
+        """A new tuple takes effect (an AUTH, or a MID's own tuple first): evict what it no
+        longer allows. Returns the rows dropped (any: the middle KV is dropped too)."""
+        keep = min(self.held, auth.held(self.committed))
+        keep_p = self.pending_held if self.keeps_pending(auth) else 0
+        dropped = (self.held - keep) + (self.pending_held - keep_p)
+        self.held, self.pending_held = keep, keep_p
+        return dropped
+
+    def check(self, base_len: int) -> None:
+        """Raises :class:`SyncError` unless committed ≤ base_len ≤ committed + pending."""
+        if not self.committed <= base_len <= self.committed + self.pending:
+            raise SyncError(f"MID base_len {base_len} outside {self.committed}.."
+                            f"{self.committed + self.pending} (committed {self.committed}, "
+                            f"{self.pending} pending rows)")
+
+    def held_at(self, base_len: int) -> int:
+        """Rows the cloud holds of the first ``base_len`` once the pending rows past it are
+        rolled back: a suffix ending at ``base_len`` (0 if a pending row before it is not
+        held). Call after :meth:`check`."""
+        extra = base_len - self.committed
+        if extra > self.pending_held:
+            return 0
+        return self.held + extra
+
+    def resend(self, auth: CloudAuth, base_len: int) -> int:
+        """``c``: the rows a MID with ``auth`` and ``base_len`` must re-send (the window's
+        rows the cloud does not hold), on a ledger ``auth`` was applied to."""
+        return max(auth.window(base_len) - min(self.held_at(base_len), auth.window(base_len)), 0)
+
+    def commit(self, auth: CloudAuth, base_len: int, n: int) -> None:
+        """A MID (``base_len``, ``n`` new rows) was answered."""
+        self.committed, self.pending = int(base_len), int(n)
+        self.held = auth.held(self.committed)
+        self.pending_held = self.pending if self.keeps_pending(auth) else 0
+
+
 @dataclass
 class Open:
     """Start a session: the tokenizer fingerprint, sampling settings, the prompt ids, the
@@ -182,6 +331,7 @@ class Open:
     max_new: int = 256
     auth: CloudAuth = field(default_factory=CloudAuth)
     offset: int = 0
+    split: SplitRequest | None = None
 
 
 @dataclass
@@ -243,10 +393,67 @@ class Close:
 
 
 @dataclass
+class Mid:
+    """Split inference: the device's front-layer output rows for the cloud's middle layers.
+
+    ``base_len``: rows the device commits (the cloud rolls its rows past it back);
+    ``c``: re-sent window rows (:meth:`SplitLedger.resend`); ``n``: new rows (positions
+    ``base_len .. base_len + n - 1``); ``acts``: the ``c + n`` rows in the session's
+    encoding (``acts_nbytes(c + n, D, act)`` bytes, checked by the cloud);
+    ``auth``: the cache tuple, as VERIFY's."""
+    req: int
+    base_len: int
+    c: int
+    n: int
+    acts: bytes
+    auth: CloudAuth = field(default_factory=CloudAuth)
+
+
+@dataclass
+class MidOut:
+    """The middle layers' output for a MID's ``n`` new rows (``acts``: ``n`` rows)."""
+    req: int
+    n: int
+    acts: bytes
+
+
+@dataclass
+class Head:
+    """Split head: the tail columns (``D - head_split``) of ``n`` final hidden rows;
+    ``k``: the top-k within the mask wanted back (0 = the whole mask)."""
+    req: int
+    n: int
+    k: int
+    acts: bytes
+
+
+@dataclass
+class Logits:
+    """The cloud's partial logits over the session's mask: ``payload`` is
+    :func:`edgefuse.cloud.vocab.encode_masked`'s bytes."""
+    req: int
+    payload: bytes
+
+
+@dataclass
+class Mask:
+    """An explicit vocabulary mask: ``bitmap`` (⌈V/8⌉ bytes, bit i = id i, LSB first)."""
+    bitmap: bytes
+
+
+@dataclass
+class Masked:
+    """``count``: ids in the mask the session now uses."""
+    count: int
+
+
+@dataclass
 class Opened:
+    """The session is open; ``split``: the accepted split (echoed), None for a plain one."""
     model: str
     fingerprint: str
     context_len: int
+    split: SplitRequest | None = None
 
 
 @dataclass
@@ -279,13 +486,17 @@ class Error:
     message: str
 
 
-Message = Identify | Open | Verify | Fuse | Auth | Close | Opened | Verified | TopK | Authed | Error
+Message = (Identify | Open | Verify | Fuse | Auth | Close | Mid | Head | Mask | Opened | Verified
+           | TopK | Authed | MidOut | Logits | Masked | Error)
 
 _U8, _U16, _U32 = struct.Struct(">B"), struct.Struct(">H"), struct.Struct(">I")
 _REQ = struct.Struct(">II")  # req, base_len
 _AUTH = struct.Struct(">BI")  # flag_cache, l_cache
 _VERIFIED = struct.Struct(">IBi")
 _TOPK_HEAD = struct.Struct(">IH")
+_MID_COUNTS = struct.Struct(">II")  # c, n
+_REQ_N = struct.Struct(">II")  # req, n
+_HEAD = struct.Struct(">IIH")  # req, n, k
 
 
 def _json(obj: dict) -> bytes:
@@ -305,6 +516,12 @@ def _auth(auth: CloudAuth) -> bytes:
     return _AUTH.pack(int(auth.flag_cache), L_UNLIMITED if auth.l_cache is None else auth.l_cache)
 
 
+def _check_u32(kind: str, **fields) -> None:
+    for name, v in fields.items():
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= int(v) <= 0xFFFFFFFF:
+            raise ProtocolError(f"{kind} {name} must be an int in 0..{0xFFFFFFFF}, got {v!r:.40}")
+
+
 def _request_head(msg: Verify | Fuse) -> bytes:
     """u32 req ‖ u32 base_len ‖ AUTH5 ‖ u32 c ‖ int32[c] context."""
     return (_REQ.pack(msg.req, msg.base_len) + _auth(msg.auth) + _U32.pack(len(msg.context))
@@ -322,6 +539,13 @@ def encode(msg: Message) -> bytes:
                 "top_k": int(msg.top_k), "seed": int(msg.seed), "max_new": int(msg.max_new),
                 "flag_cache": msg.auth.flag_cache, "l_cache": msg.auth.l_cache,
                 "offset": int(msg.offset)}
+        if msg.split is not None:
+            if not isinstance(msg.split, SplitRequest):
+                raise ProtocolError(f"split must be a SplitRequest, got {type(msg.split).__name__}")
+            if len(msg.prompt):
+                raise ProtocolError("a split OPEN carries no prompt ids (the prompt goes as "
+                                    "activations in the first MID)")
+            head["split"] = msg.split.to_dict()
         return bytes([OPEN]) + _json(head) + _ids(msg.prompt)
     if isinstance(msg, Verify):
         g = len(msg.draft)
@@ -348,6 +572,26 @@ def encode(msg: Message) -> bytes:
             raise ProtocolError(f"top-k {msg.k} out of range 1..{MAX_TOPK}")
         return (bytes([FUSE]) + _request_head(msg) + _U8.pack(m) + _ids(msg.committed)
                 + _U16.pack(msg.k))
+    if isinstance(msg, Mid):
+        _check_u32("MID", req=msg.req, base_len=msg.base_len, c=msg.c, n=msg.n)
+        return (bytes([MID]) + _REQ.pack(msg.req, msg.base_len) + _auth(msg.auth)
+                + _MID_COUNTS.pack(msg.c, msg.n) + bytes(msg.acts))
+    if isinstance(msg, MidOut):
+        _check_u32("MIDOUT", req=msg.req, n=msg.n)
+        return bytes([MIDOUT]) + _REQ_N.pack(msg.req, msg.n) + bytes(msg.acts)
+    if isinstance(msg, Head):
+        _check_u32("HEAD", req=msg.req, n=msg.n)
+        if not 0 <= msg.k <= 0xFFFF:
+            raise ProtocolError(f"HEAD k {msg.k} out of range 0..65535")
+        return bytes([HEAD]) + _HEAD.pack(msg.req, msg.n, msg.k) + bytes(msg.acts)
+    if isinstance(msg, Logits):
+        _check_u32("LOGITS", req=msg.req)
+        return bytes([LOGITS]) + _U32.pack(msg.req) + bytes(msg.payload)
+    if isinstance(msg, Mask):
+        return bytes([MASK]) + bytes(msg.bitmap)
+    if isinstance(msg, Masked):
+        _check_u32("MASKED", count=msg.count)
+        return bytes([MASKED]) + _U32.pack(msg.count)
     if isinstance(msg, Identify):
         if len(msg.public_key) != IDENTIFY_KEY_BYTES or len(msg.signature) != IDENTIFY_SIG_BYTES:
             raise ProtocolError(f"IDENTIFY carries a {IDENTIFY_KEY_BYTES}-byte key and a "
@@ -360,8 +604,11 @@ def encode(msg: Message) -> bytes:
     if isinstance(msg, Close):
         return bytes([CLOSE])
     if isinstance(msg, Opened):
-        return bytes([OPENED]) + _json({"model": msg.model, "fingerprint": msg.fingerprint,
-                                        "context_len": int(msg.context_len)})
+        head = {"model": msg.model, "fingerprint": msg.fingerprint,
+                "context_len": int(msg.context_len)}
+        if msg.split is not None:
+            head["split"] = msg.split.to_dict()
+        return bytes([OPENED]) + _json(head)
     if isinstance(msg, Verified):
         return bytes([VERIFIED]) + _VERIFIED.pack(msg.req, msg.accepted, msg.token)
     if isinstance(msg, TopK):
@@ -414,6 +661,10 @@ class _Reader:
         (c,) = self.unpack(_U32)
         return req, base_len, auth, self.ids(c).tolist()
 
+    def rest(self) -> bytes:
+        """Every byte left (a message's variable-length tail)."""
+        return bytes(self.take(len(self.data) - self.pos))
+
     def end(self) -> None:
         if self.pos != len(self.data):
             raise ProtocolError(f"{self.kind} message has {len(self.data) - self.pos} trailing bytes")
@@ -435,10 +686,18 @@ def decode(data: bytes) -> Message:
             offset = h["offset"]
             if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
                 raise ProtocolError(f"OPEN offset must be an int >= 0, got {offset!r}")
+            split = h.get("split")
+            if split is not None:
+                split = SplitRequest.from_dict(split)
+                if prompt:
+                    raise ProtocolError(f"a split OPEN carries no prompt ids, this one has "
+                                        f"{len(prompt)} (the prompt goes as activations in "
+                                        f"the first MID)")
             msg = Open(prompt=prompt, fingerprint=str(h["fingerprint"]),
                        temperature=float(h["temperature"]), top_k=int(h["top_k"]),
                        seed=int(h["seed"]), max_new=int(h["max_new"]),
-                       auth=CloudAuth(h["flag_cache"], h["l_cache"]), offset=offset)
+                       auth=CloudAuth(h["flag_cache"], h["l_cache"]), offset=offset,
+                       split=split)
         elif t == VERIFY:
             req, base_len, auth, context = r.request_head()
             (g,) = r.unpack(_U8)
@@ -458,6 +717,25 @@ def decode(data: bytes) -> Message:
             committed = r.ids(m).tolist()
             (k,) = r.unpack(_U16)
             msg = Fuse(req, base_len, committed, k, auth=auth, context=context)
+        elif t == MID:
+            req, base_len = r.unpack(_REQ)
+            auth = r.auth()
+            c, n = r.unpack(_MID_COUNTS)
+            msg = Mid(req, base_len, c, n, r.rest(), auth=auth)
+        elif t == MIDOUT:
+            req, n = r.unpack(_REQ_N)
+            msg = MidOut(req, n, r.rest())
+        elif t == HEAD:
+            req, n, k = r.unpack(_HEAD)
+            msg = Head(req, n, k, r.rest())
+        elif t == LOGITS:
+            (req,) = r.unpack(_U32)
+            msg = Logits(req, r.rest())
+        elif t == MASK:
+            msg = Mask(r.rest())
+        elif t == MASKED:
+            (count,) = r.unpack(_U32)
+            msg = Masked(count)
         elif t == IDENTIFY:
             msg = Identify(bytes(r.take(IDENTIFY_KEY_BYTES)), bytes(r.take(IDENTIFY_SIG_BYTES)))
         elif t == AUTH:
@@ -469,7 +747,9 @@ def decode(data: bytes) -> Message:
             msg = Close()
         elif t == OPENED:
             h = r.json()
-            msg = Opened(str(h["model"]), str(h["fingerprint"]), int(h["context_len"]))
+            split = h.get("split")
+            msg = Opened(str(h["model"]), str(h["fingerprint"]), int(h["context_len"]),
+                         None if split is None else SplitRequest.from_dict(split))
         elif t == VERIFIED:
             req, acc, tok = r.unpack(_VERIFIED)
             msg = Verified(req, acc, tok)

@@ -152,6 +152,7 @@ class _Conn:
         self.last_active = time.monotonic()  # last valid message in or answer out
         self.idle = False  # closed by the idle timeout
         self.room = asyncio.Event()  # set when an answer frees a queue slot
+        self.frame_limit: int | None = None  # a split session's larger frame cap (else the service's)
 
     def send(self, msg: P.Message) -> None:
         """Seal and queue one message on the socket (event-loop thread)."""
@@ -178,11 +179,12 @@ class _Session:
         self.jobs = 0
         self.answered_at: float | None = None  # worker: when its last answer went out
         self.gap: float | None = None  # worker: last answer → next request (s)
+        self.split = False  # a split-inference session (MID / HEAD / MASK, never VERIFY / FUSE)
 
 
 @dataclass
 class _Item:
-    kind: str  # "open" | "close" | "auth" | "job"
+    kind: str  # "open" | "close" | "auth" | "job" (VERIFY / FUSE) | "mid" | "head" | "mask"
     sess: _Session
     msg: Any = None
     t: float = 0.0  # when it was queued (monotonic s)
@@ -224,6 +226,9 @@ class CloudService:
             accept.
         insecure_anonymous: speak only the anonymous handshake (no identities; the
             benchmark's "auth off" column); ``identity`` and ``authorized`` are then unused.
+        split: the split-inference runner (:class:`edgefuse.cloud.split_target.SplitTarget`,
+            ``open`` / ``step`` / ``head`` / ``set_mask`` / ``authorize`` / ``close``,
+            ``frame_limit``); None: a split OPEN gets ERROR ``split``.
 
     Raises ``ValueError`` for out-of-range settings, or no ``identity`` / ``authorized``
     without ``insecure_anonymous``.
@@ -235,7 +240,8 @@ class CloudService:
                  idle_timeout_s: float = 300.0, max_frame_bytes: int = P.MAX_REQUEST_BYTES,
                  max_pending: int = 4, max_queue: int = 256, health_token: str | None = None,
                  identity: Identity | None = None, authorized: TrustStore | None = None,
-                 max_handshakes: int | None = None, insecure_anonymous: bool = False):
+                 max_handshakes: int | None = None, insecure_anonymous: bool = False,
+                 split=None):
         if not insecure_anonymous and (not isinstance(identity, Identity)
                                        or not isinstance(authorized, TrustStore)):
             raise ValueError("the cloud service needs its identity and its authorized devices "
@@ -265,6 +271,7 @@ class CloudService:
             raise ValueError(f"max_pending and max_queue must be >= 1, got {max_pending} and "
                              f"{max_queue}")
         self.target = target
+        self.split = split
         self.host = host
         self.requested_port = int(port)
         self.port: int | None = None  # the bound port, once listening
@@ -310,7 +317,9 @@ class CloudService:
                  "connections_refused", "idle_closed", "handshake_timeouts", "frames_oversized",
                  "backpressure_waits", "queued_max", "limit_refusals", "batch_waits",
                  "batch_wait_timeouts", "auth_failures", "handshakes_refused",
-                 "devices_authenticated")
+                 "devices_authenticated", "split_sessions_total", "split_refusals",
+                 "split_batches", "split_jobs", "split_head_jobs", "split_mask_jobs",
+                 "split_bytes_in", "split_bytes_out")
 
     def stats(self) -> dict:
         """Counters since start: ``sessions_open`` (holding a cache slot now),
@@ -332,7 +341,12 @@ class CloudService:
         batcher blocked for a job that could still join), ``batch_wait_timeouts`` (of those,
         ended by ``max_wait_ms`` with nothing), ``batch_wait_ms`` (time spent so, ms) and the
         target's ``forward_tokens_max`` (the most token rows one forward pass fed; None if
-        the target does not count)."""
+        the target does not count); split inference: ``split_sessions_total``,
+        ``split_refusals`` (split OPENs answered ERROR ``split``), ``split_batches`` /
+        ``split_jobs`` (middle forwards' ``step`` calls, MID jobs run), ``split_head_jobs``,
+        ``split_mask_jobs``, ``split_bytes_in`` / ``split_bytes_out`` (activation and
+        partial-logit payload bytes of MID / HEAD in and MIDOUT / LOGITS out), and the split
+        target's ``split_rebuild_rows`` (window rows fed again: re-sent or KV dropped)."""
         with self._lock:
             c = dict(self._c)
             hist = dict(sorted(self._batch_hist.items()))
@@ -353,6 +367,7 @@ class CloudService:
             "queued": self._queued,
             "batch_wait_ms": round(c.get("batch_wait_us", 0) / 1000.0, 3),
             "forward_tokens_max": getattr(self.target, "forward_tokens_max", None),
+            "split_rebuild_rows": getattr(self.split, "rebuild_rows", None),
         }
         out.update({k: c.get(k, 0) for k in self._COUNTERS})
         return out
@@ -392,6 +407,7 @@ class CloudService:
                 "max_queue": self.max_queue,
                 "max_draft": getattr(self.target, "max_draft", None),
                 "max_batch_tokens": getattr(self.target, "max_batch_tokens", None),
+                "split": self.split is not None,
             })
             out.update(self.stats())
         return out
@@ -659,7 +675,7 @@ class CloudService:
             conn.last_active = time.monotonic()
             while True:
                 await self._room(conn)
-                body = await self._read(reader, conn, self.max_frame_bytes)
+                body = await self._read(reader, conn, conn.frame_limit or self.max_frame_bytes)
                 try:
                     plain = secure.open(body)
                 except FrameError as exc:
@@ -738,12 +754,17 @@ class CloudService:
                 other.room.set()
 
     def _dispatch(self, conn: _Conn, msg: P.Message) -> None:
-        """Route one decoded request (event-loop thread)."""
+        """Route one decoded request (event-loop thread). A split session takes MID / HEAD /
+        MASK and a plain one VERIFY / FUSE, each the other's with ERROR ``protocol``."""
         if isinstance(msg, P.Open):
             if conn.current is not None:
                 self._count("protocol_errors")
                 conn.send(P.Error("protocol", "a session is already open on this connection; "
                                               "CLOSE it first"))
+                return
+            if msg.split is not None and self.split is None:
+                self._count("split_refusals")
+                conn.send(P.Error("split", "this cloud serves no split inference"))
                 return
             with self._lock:
                 if len(self._live) >= self.max_sessions:
@@ -761,16 +782,32 @@ class CloudService:
                                           f"(its maximum); retry later"))
                 return
             conn.current = sess
+            if msg.split is not None:
+                sess.split = True
+                # a MID of max_context rows must fit: the cap follows the session's encoding
+                conn.frame_limit = max(self.max_frame_bytes, int(self.split.frame_limit(msg.split)))
             self._enqueue(conn, _Item("open", sess, msg))
-        elif isinstance(msg, (P.Verify, P.Fuse, P.Auth)):
+        elif isinstance(msg, (P.Verify, P.Fuse, P.Auth, P.Mid, P.Head, P.Mask)):
+            name = type(msg).__name__.upper()
             if conn.current is None:
                 self._count("protocol_errors")
-                conn.send(P.Error("protocol", f"{type(msg).__name__.upper()} before OPEN: no "
+                conn.send(P.Error("protocol", f"{name} before OPEN: no "
                                               f"session is open on this connection"))
                 return
-            self._enqueue(conn, _Item("auth" if isinstance(msg, P.Auth) else "job", conn.current, msg))
+            split_msg = isinstance(msg, (P.Mid, P.Head, P.Mask))
+            if not isinstance(msg, P.Auth) and split_msg != conn.current.split:
+                self._count("protocol_errors")
+                conn.send(P.Error("protocol", f"{name} in a {'split' if conn.current.split else 'plain'}"
+                                              f" session (split sessions take MID / HEAD / "
+                                              f"MASK, plain ones VERIFY / FUSE)"))
+                return
+            kind = ("auth" if isinstance(msg, P.Auth) else "mid" if isinstance(msg, P.Mid)
+                    else "head" if isinstance(msg, P.Head) else "mask" if isinstance(msg, P.Mask)
+                    else "job")
+            self._enqueue(conn, _Item(kind, conn.current, msg))
         elif isinstance(msg, P.Close):
             sess, conn.current = conn.current, None
+            conn.frame_limit = None
             if sess is not None:
                 sess.closed = True
                 self._queue.put(_Item("close", sess))
@@ -821,12 +858,14 @@ class CloudService:
             if item is _STOP:
                 break
             try:
-                if item.kind == "job":
+                if item.kind in ("job", "mid"):
                     self._run_batch(item)
                 elif item.kind == "open":
                     self._open(item)
                 elif item.kind == "auth":
                     self._authorize(item)
+                elif item.kind in ("head", "mask"):
+                    self._split_single(item)
                 else:
                     self._free(item.sess)
             except Exception as exc:  # noqa: BLE001 - keep serving the other sessions
@@ -845,12 +884,15 @@ class CloudService:
             self._reply(item, None)
             return
         t0 = time.perf_counter()
+        runner = self.split if sess.split else self.target
         try:
-            sess.target = self.target.open(item.msg)
+            sess.target = runner.open(item.msg)
         except Exception as exc:  # noqa: BLE001
             from edgefuse.cloud.target import SessionError
 
             if isinstance(exc, SessionError):
+                if exc.code == "split":
+                    self._count("split_refusals")
                 err = P.Error(exc.code, str(exc))
                 log.info("session %d (connection %d): OPEN refused [%s]: %s", sess.id,
                          sess.conn.id, exc.code, exc)
@@ -860,17 +902,55 @@ class CloudService:
             sess.failed = True
             with self._lock:
                 self._live.discard(sess)
+            if sess.split:
+                self._post(self._reset_frame_limit, sess)
             self._reply(item, err, clear=True)
             return
         if sess.closed:  # disconnected during the prefill
             self._free(sess)
             self._reply(item, None)
             return
-        log.info("session %d (connection %d, device %s) open: %d prompt tokens, prefill %.1f ms",
+        log.info("session %d (connection %d, device %s) open: %d prompt tokens, prefill %.1f ms%s",
                  sess.id, sess.conn.id, sess.conn.device or "anonymous", len(item.msg.prompt),
-                 (time.perf_counter() - t0) * 1e3)
-        self._reply(item, P.Opened(str(self.target.name), str(self.target.fingerprint),
-                                   int(self.target.context_len)))
+                 (time.perf_counter() - t0) * 1e3, f", split {item.msg.split}" if sess.split else "")
+        if sess.split:
+            self._count("split_sessions_total")
+        self._reply(item, P.Opened(str(runner.name), str(runner.fingerprint),
+                                   int(runner.context_len), item.msg.split))
+
+    def _reset_frame_limit(self, sess: _Session) -> None:
+        """A split OPEN failed (event loop): its connection's frame cap is the service's again."""
+        if sess.conn.current is None or sess.conn.current is sess:
+            sess.conn.frame_limit = None
+
+    def _split_single(self, item: _Item) -> None:
+        """Run one HEAD or MASK of a split session (worker) and answer it."""
+        sess = item.sess
+        if sess.closed:
+            self._reply(item, None)
+            return
+        if sess.target is None:  # its OPEN failed
+            self._count("protocol_errors")
+            self._reply(item, P.Error("protocol", "no open session (OPEN failed)"))
+            return
+        from edgefuse.cloud.target import SessionError
+
+        try:
+            if item.kind == "head":
+                reply = self.split.head(sess.target, item.msg)
+                self._count("split_head_jobs")
+                self._count("split_bytes_in", len(item.msg.acts))
+                self._count("split_bytes_out", len(reply.payload))
+            else:
+                reply = self.split.set_mask(sess.target, item.msg)
+                self._count("split_mask_jobs")
+        except SessionError as exc:
+            reply = P.Error(exc.code, str(exc))
+        except Exception as exc:  # noqa: BLE001
+            log.exception("session %d: split %s failed", sess.id, item.kind)
+            reply = P.Error("internal", f"split {item.kind} failed: {type(exc).__name__}: {exc}")
+        sess.jobs += 1
+        self._reply(item, reply)
 
     def _authorize(self, item: _Item) -> None:
         """Apply an AUTH (evicting at once), then answer AUTHED with the tokens held."""
@@ -885,7 +965,8 @@ class CloudService:
         from edgefuse.cloud.target import SessionError
 
         try:
-            reply = P.Authed(int(self.target.authorize(sess.target, item.msg.auth)))
+            runner = self.split if sess.split else self.target
+            reply = P.Authed(int(runner.authorize(sess.target, item.msg.auth)))
         except SessionError as exc:
             reply = P.Error(exc.code, str(exc))
         except Exception as exc:  # noqa: BLE001
@@ -898,7 +979,7 @@ class CloudService:
         ts, sess.target = sess.target, None
         if ts is not None:
             try:
-                self.target.close(ts)
+                (self.split if sess.split else self.target).close(ts)
             except Exception:  # noqa: BLE001
                 log.exception("session %d: target.close failed", sess.id)
         with self._lock:
@@ -909,18 +990,19 @@ class CloudService:
             log.info("session %d (connection %d) closed after %d jobs: %d B in, %d B out so far",
                      sess.id, c.id, sess.jobs, c.bytes_in, c.bytes_out)
 
-    def _could_join(self, in_batch: set, blocked: set) -> bool:
+    def _could_join(self, in_batch: set, blocked: set, split: bool = False) -> bool:
         """Whether a session not yet in the batch may still send a job the batch can take:
-        open, not deferred, and answered within about its own round (twice its last gap
-        between an answer and its next request, plus ``max_wait_ms``; a session with no
-        gap yet: three times ``max_wait_ms``). An idle session is not waited for."""
+        open, of the batch's kind (``split``: MID jobs, else VERIFY / FUSE), not deferred, and
+        answered within about its own round (twice its last gap between an answer and its
+        next request, plus ``max_wait_ms``; a session with no gap yet: three times
+        ``max_wait_ms``). An idle session is not waited for."""
         wait_s = self.max_wait_ms / 1000.0
         now = time.monotonic()
         with self._lock:
             live = list(self._live)
         for sess in live:
             if sess in in_batch or sess in blocked or sess.closed or sess.target is None \
-                    or sess.answered_at is None:
+                    or sess.answered_at is None or sess.split != split:
                 continue
             gap = sess.gap if sess.gap is not None else wait_s
             if now - sess.answered_at <= 2 * gap + wait_s:
@@ -934,6 +1016,8 @@ class CloudService:
             sess.gap = max(item.t - sess.answered_at, 0.0)
 
     def _run_batch(self, first: _Item) -> None:
+        """Batch ``first`` with queued jobs of its own kind (VERIFY / FUSE, or MID: never
+        mixed in one forward) of other sessions, then run them."""
         batch, in_batch, blocked, deferred = [first], {first.sess}, set(), []
         self._take(first)
         t_start = time.monotonic()
@@ -942,7 +1026,7 @@ class CloudService:
             with self._lock:
                 if len(in_batch) >= len(self._live):
                     break  # every open session is in: nobody else can add a job
-            wait = self._could_join(in_batch, blocked)
+            wait = self._could_join(in_batch, blocked, first.kind == "mid")
             if wait and not self._pending and self._queue.empty():
                 self._count("batch_waits")
                 t0 = time.perf_counter()
@@ -957,7 +1041,7 @@ class CloudService:
             if item is _STOP:
                 deferred.append(item)
                 break
-            if item.kind != "job" or item.sess in in_batch or item.sess in blocked:
+            if item.kind != first.kind or item.sess in in_batch or item.sess in blocked:
                 deferred.append(item)  # keep this session's order: it waits for the next batch
                 blocked.add(item.sess)
                 continue
@@ -986,9 +1070,10 @@ class CloudService:
         if not run:
             return
         jobs = [(item.sess.target, item.msg) for item in run]
+        mid = run[0].kind == "mid"
         t0 = time.perf_counter()
         try:
-            replies = list(self.target.step(jobs))
+            replies = list((self.split if mid else self.target).step(jobs))
             if len(replies) != len(jobs):
                 raise RuntimeError(f"target.step answered {len(replies)} of {len(jobs)} jobs")
         except Exception as exc:  # noqa: BLE001
@@ -1005,6 +1090,12 @@ class CloudService:
             self._c["batches"] += 1
             self._c["jobs"] += len(run)
             self._batch_hist[len(run)] += 1
+            if mid:
+                self._c["split_batches"] += 1
+                self._c["split_jobs"] += len(run)
+                self._c["split_bytes_in"] += sum(len(i.msg.acts) for i in run)
+                self._c["split_bytes_out"] += sum(len(r.acts) for r in replies
+                                                  if isinstance(r, P.MidOut))
         log.debug("batch of %d (%s) in %.1f ms", len(run),
                   ",".join(type(i.msg).__name__ for i in run), ms)
         for item, reply in zip(run, replies):
