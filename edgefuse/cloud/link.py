@@ -198,7 +198,8 @@ class CloudLink:
         :class:`edgefuse.cloud.protocol.ProtocolError` for a message that cannot be encoded."""
         plain = P.encode(msg)
         # the device's outbound audit sees every frame before it is sealed
-        outbound("draft_tokens" if isinstance(msg, (P.Open, P.Verify, P.Fuse)) else "control", plain)
+        outbound("draft_tokens" if isinstance(msg, (P.Open, P.Verify, P.Fuse))
+                 else "hidden" if isinstance(msg, (P.Mid, P.Head)) else "control", plain)
         with self._send_lock:
             self._check_alive()
             data = frame(self._secure.seal(plain))
@@ -278,6 +279,24 @@ class CloudLink:
                                     offset=len(prompt) - keep), timeout_s)
         if not isinstance(reply, P.Opened):
             raise P.ProtocolError(f"expected OPENED, got {type(reply).__name__}")
+        self.opened = reply
+        return reply
+
+    def open_split(self, split: P.SplitRequest, fingerprint: str,
+                   auth: P.CloudAuth | None = None, offset: int = 0,
+                   timeout_s: float | None = 60.0) -> P.Opened:
+        """OPEN a split-inference session (no prompt ids: the prompt goes as the first MID's
+        activations) under the cache tuple ``auth`` (None = keep everything); ``offset``:
+        committed rows before the first MID's window. Returns the cloud's :class:`Opened`
+        (its ``split`` echoes the accepted split). Raises
+        :class:`edgefuse.cloud.protocol.RemoteError` (``split``: a split this cloud does not
+        serve; ``busy``, ``fingerprint``, ...), ``TimeoutError``, :class:`CloudUnavailable`,
+        :class:`edgefuse.cloud.protocol.ProtocolError` for an unexpected answer."""
+        reply = self.request(P.Open(prompt=[], fingerprint=fingerprint,
+                                    auth=auth if auth is not None else P.CloudAuth(),
+                                    offset=int(offset), split=split), timeout_s)
+        if not isinstance(reply, P.Opened) or reply.split != split:
+            raise P.ProtocolError(f"expected OPENED for split {split}, got {reply!r:.120}")
         self.opened = reply
         return reply
 
