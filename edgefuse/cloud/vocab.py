@@ -376,7 +376,7 @@ def fuse_split_head(z_end: torch.Tensor, z_cloud, mask, k: int | None = None,
             top = torch.topk(dense, k, dim=1)
             rest = top.values.min(dim=1, keepdim=True).values if fill == "bound" else float("-inf")
             dense = torch.full_like(dense, 0.0).add_(rest).scatter(1, top.indices, top.values)
-    t = torch.from_numpy(np.asarray(ids))
+    t = torch.from_numpy(np.array(ids))  # a copy: named masks are read-only
     fused = z_end.float()[:, t] + dense.to(z_end.device)
     if softcap:
         fused = softcap * torch.tanh(fused / softcap)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from edgefuse.cloud import vocab as Vb
+from edgefuse.cloud.split import head_tail, partial_logits
 from edgefuse.models import load_tokenizer, tiny_tokenizer
 
 V, D, S_COLS = 96, 32, 12
@@ -21,8 +22,9 @@ def head(seed=0):
 
 
 def split_logits(W, h, s=S_COLS):
-    """``(z_end [n, V], z_cloud [n, V], z [n, V])`` of hidden states ``h [n, D]``."""
-    return h[:, :s] @ W[:, :s].T, h[:, s:] @ W[:, s:].T, h @ W.T
+    """``(z_end [n, V], z_cloud [n, V], z [n, V])`` of hidden states ``h [n, D]``: the
+    device's columns by a plain matmul, the cloud's through ``edgefuse.cloud.split``."""
+    return h[:, :s] @ W[:, :s].T, partial_logits(head_tail(W, s), h[:, s:]), h @ W.T
 
 
 # ------------------------------------------------------------------------------ fusion
