@@ -32,7 +32,6 @@ head; the cloud: the middle + the head's tail columns); drop the original model 
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -193,7 +192,8 @@ def split_model(model, k: int, m: int) -> SplitParts:
     get_decoder = getattr(model, "get_decoder", None)
     body = get_decoder() if get_decoder is not None else None
     head_mod = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if body is None or head_mod is None or not all(hasattr(body, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
+    needs = ("embed_tokens", "layers", "norm", "rotary_emb")
+    if body is None or head_mod is None or not all(hasattr(body, a) for a in needs):
         raise ValueError(f"split_model needs a causal LM with a decoder body and an LM head, got "
                          f"{type(model).__name__}")
     if getattr(head_mod, "bias", None) is not None:
@@ -226,7 +226,10 @@ def free_unused(parts: SplitParts, side: str, head_split: int | None = None) -> 
     raise ValueError(f"side must be 'device' or 'cloud', got {side!r:.20}")
 
 
-def crop_layers(layers: list[tuple[torch.Tensor, torch.Tensor]], n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+KV = list[tuple[torch.Tensor, torch.Tensor]]  # (keys, values) per layer, [1, heads, T, d] each
+
+
+def crop_layers(layers: KV, n: int) -> KV:
     """The first ``n`` positions of every ``(k, v)`` layer ``[1, heads, T, d]`` (views): the
     rollback of rejected draft rows (causal: earlier rows never saw them). Not the eviction
     of a sliding window, which drops the whole cache. Raises ``ValueError`` if ``n`` is
@@ -261,6 +264,12 @@ def middle_forward(middle: nn.Module, per: list, pasts: list[int], inputs: list[
                              f"{getattr(x, 'shape', type(x).__name__)}")
         if not x.is_floating_point():
             raise ValueError(f"middle_forward: input {b} is not floating point")
+    n_mid = len(middle.layers)
+    for b, (kv, p) in enumerate(zip(per, pasts)):
+        have = (0, 0) if kv is None else (kv[0][0].shape[2] if kv else 0, len(kv))
+        if (p and have != (p, n_mid)) or (not p and kv is not None and have[0]):
+            raise ValueError(f"middle_forward: cache {b} holds {have[0]} positions of {have[1]} "
+                             f"layers; expected {p} of {n_mid}")
     outs, kvs = batched_forward(middle, per, pasts, inputs, 0, min_rows, "last_hidden_state", offsets)
     kvs = [crop_layers(kv, int(p) + len(x)) for kv, p, x in zip(kvs, pasts, inputs)]
     return outs, kvs
@@ -381,7 +390,7 @@ class DeviceSplit:
             raise ValueError("the device's parts (front, back, head) were freed")
         self.parts, self.spec = parts, spec
         self._front_cache, self._back_cache = DynamicCache(), DynamicCache()
-        self._rows = torch.zeros((0, parts.hidden_size), dtype=parts.head.dtype)
+        self._rows = torch.zeros((0, parts.hidden_size), dtype=parts.head.dtype, device=parts.head.device)
         self._back_len = 0
 
     @property
@@ -399,12 +408,12 @@ class DeviceSplit:
         """Embed and run the first ``k`` layers over ``ids`` (n >= 1 token ids) at positions
         ``length .. length + n - 1``; remembers the rows. Returns ``[n, D]`` (the model's
         dtype). Raises ``ValueError`` for no ids or an id outside the vocabulary."""
-        ids = torch.as_tensor(np.asarray(ids, dtype=np.int64).reshape(-1))
+        ids = torch.as_tensor(np.asarray(ids, dtype=np.int64).reshape(-1), device=self._rows.device)
         if ids.numel() == 0:
             raise ValueError("front: no token ids")
         if int(ids.min()) < 0 or int(ids.max()) >= self.parts.vocab_size:
             raise ValueError(f"front: token ids must be in 0..{self.parts.vocab_size - 1}")
-        pos = torch.arange(self.length, self.length + ids.numel()).unsqueeze(0)
+        pos = torch.arange(self.length, self.length + ids.numel(), device=ids.device).unsqueeze(0)
         out = self.parts.front(input_ids=ids.unsqueeze(0), position_ids=pos,
                                cache=self._front_cache, use_cache=True).last_hidden_state[0]
         self._rows = torch.cat([self._rows, out.to(self._rows.dtype)])
@@ -429,8 +438,9 @@ class DeviceSplit:
         if self._back_len + n > self.length:
             raise ValueError(f"back: {n} rows after {self._back_len} exceed the {self.length} "
                              f"rows the front ran")
-        pos = torch.arange(self._back_len, self._back_len + n).unsqueeze(0)
-        out = self.parts.back(inputs_embeds=h.to(self._rows.dtype).unsqueeze(0), position_ids=pos,
+        pos = torch.arange(self._back_len, self._back_len + n, device=self._rows.device).unsqueeze(0)
+        h = h.to(device=self._rows.device, dtype=self._rows.dtype)
+        out = self.parts.back(inputs_embeds=h.unsqueeze(0), position_ids=pos,
                               cache=self._back_cache, use_cache=True).last_hidden_state[0]
         self._back_len += n
         return out
@@ -440,7 +450,7 @@ class DeviceSplit:
         """Full-vocabulary logits ``float32 [n, V]`` of final hidden rows ``h [n, D]``,
         soft-capped as the model does (Gemma), like ``EdgeLM.logits``."""
         head = self.parts.head
-        return softcap(F.linear(h.to(head.dtype), head).float(), self.parts.softcap)
+        return softcap(F.linear(h.to(head.device, head.dtype), head).float(), self.parts.softcap)
 
     @torch.no_grad()
     def head_part(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -453,7 +463,7 @@ class DeviceSplit:
         if s is None:
             raise ValueError("head_part: this session's SplitSpec has no head_split")
         head = self.parts.head
-        h = h.to(head.dtype)
+        h = h.to(head.device, head.dtype)
         return F.linear(h[:, :s], head[:, :s]).float(), h[:, s:]
 
     def crop(self, n: int) -> None:

@@ -142,17 +142,18 @@ def test_codec_refuses_malformed_buffers():
     overflowing input, and an unknown encoding: each a ValueError saying what."""
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(2))
     good = S.encode_acts(x, "int8")
-    cases = {
-        "short": good[:-1], "long": good + b"\0",
-        "nan scale": np.float16(np.nan).tobytes() + good[2:],
-        "inf scale": np.float16(np.inf).tobytes() + good[2:],
-        "negative scale": np.float16(-0.5).tobytes() + good[2:],
-        "-128": good[:6] + b"\x80" + good[7:],
-    }
-    for what, buf in cases.items():
-        with pytest.raises(ValueError, match="bytes|scale|int8 value"):
+    cases = [
+        (good[:-1], "29 bytes for 3 rows of 8 int8; expected 30"),
+        (good + b"\0", "31 bytes for 3 rows of 8 int8; expected 30"),
+        (np.float16(np.nan).tobytes() + good[2:], "scale is NaN, inf or negative"),
+        (np.float16(np.inf).tobytes() + good[2:], "scale is NaN, inf or negative"),
+        (np.float16(-0.5).tobytes() + good[2:], "scale is NaN, inf or negative"),
+        (good[:6] + b"\x80" + good[7:], "int8 value below -127"),
+    ]
+    for buf, msg in cases:
+        with pytest.raises(ValueError, match=msg):
             S.decode_acts(buf, 3, 8, "int8")
-        assert what  # (the name shows in a failure's locals)
+    assert torch.equal(S.decode_acts(good, 3, 8, "int8"), S.decode_acts(bytearray(good), 3, 8, "int8"))
     g16 = bytearray(S.encode_acts(x, "float16"))
     g16[4:6] = np.float16(np.nan).tobytes()
     with pytest.raises(ValueError, match="NaN or inf"):
@@ -270,6 +271,10 @@ def test_offsets_are_absolute_positions():
     (wrong,), _ = S.middle_forward(parts.middle, [kv], [4], [x[4:]], [0])
     assert maxdiff(cont, once[4:]) <= 1e-5
     assert maxdiff(wrong, once[4:]) > 1e-4
+    (pad,), (kvp,) = S.middle_forward(parts.middle, [kv], [4], [x[4:]], [5], min_rows=4)
+    assert maxdiff(pad, cont) <= 1e-5 and kvp[0][0].shape[2] == 6  # pad rows never returned
+    with pytest.raises(ValueError, match="cache 0 holds 4 positions of 1 layers; expected 3 of 1"):
+        S.middle_forward(parts.middle, [kv], [3], [x[4:]])
     with pytest.raises(ValueError, match="mix token ids and embeddings"):
         batched_forward(parts.middle, [None, None], [0, 0], [[1, 2], x], 0, output="last_hidden_state")
     with pytest.raises(ValueError, match=r"input 0 must be a float tensor \[n >= 1, 64\]"):
@@ -313,7 +318,8 @@ def test_invalid_split_spec_refused_naming_the_field():
     """Each bad field of a SplitSpec (direct, against a model, and from untrusted JSON) and
     an unsupported architecture raise ValueError naming what is wrong."""
     bad = [(dict(k=0, m=1), "SplitSpec.k must be >= 1"), (dict(k=1, m=-1), "SplitSpec.m"),
-           (dict(k=True, m=1), "SplitSpec.k must be an int"), (dict(k=1, m=1.0), "SplitSpec.m must be an int"),
+           (dict(k=True, m=1), "SplitSpec.k must be an int"),
+           (dict(k=1, m=1.0), "SplitSpec.m must be an int"),
            (dict(k=1, m=1, head_split=0), "SplitSpec.head_split"),
            (dict(k=1, m=1, head_split="3"), "SplitSpec.head_split"),
            (dict(k=1, m=1, act="fp8"), "SplitSpec.act"), (dict(k=1, m=1, act=None), "SplitSpec.act")]
@@ -338,7 +344,7 @@ def test_invalid_split_spec_refused_naming_the_field():
     with pytest.raises(ValueError, match="parts were cut at k=2, m=2"):
         S.DeviceSplit(S.split_model(model, 2, 2), S.SplitSpec(1, 2))
     gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=V))
-    with pytest.raises(ValueError, match="cannot split a 'gpt2' model .supported: qwen2, llama, gemma3_text"):
+    with pytest.raises(ValueError, match="cannot split a 'gpt2' model .supported: qwen2, llama, gemma3"):
         S.split_model(gpt2, 1, 1)
 
 
