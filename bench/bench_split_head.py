@@ -129,7 +129,7 @@ def score(H: torch.Tensor, W: torch.Tensor, s: int, masks: dict[str, np.ndarray]
             pred = (z_end + z_cloud).argmax(1)
         else:
             ids = masks[mask]
-            zc = z_cloud[:, torch.from_numpy(np.array(ids))]
+            zc = z_cloud[:, torch.from_numpy(ids)]
             got = Vb.decode_masked(Vb.encode_masked(zc, k), T, ids.size, k)
             pred = Vb.fuse_split_head(z_end, got, ids, softcap=softcap, fill=fill if k else "bound").argmax(1)
             inside = torch.from_numpy(np.isin(truth.numpy(), ids))

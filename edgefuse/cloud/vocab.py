@@ -98,8 +98,8 @@ def as_mask(ids, vocab_size: int) -> np.ndarray:
 
 def vocab_mask(tok, name: str, vocab_size: int | None = None, ids=None) -> np.ndarray:
     """The mask ``name`` (one of :data:`MASK_NAMES` or :data:`EXPLICIT`) of ``tok``:
-    ``int64`` sorted unique token ids, read-only, cached per (tokenizer fingerprint, name,
-    vocab size) for the named masks.
+    ``int64`` sorted unique token ids (a fresh array; the named masks are computed once per
+    tokenizer fingerprint and vocab size, all three from one decode of the vocabulary).
 
     ``vocab_size``: the head's rows ``V`` (default ``len(tok)``); ids ``>= V`` are left out.
     ``ids``: the id set of an ``explicit`` mask (special/EOS ids are added to it).
@@ -114,9 +114,7 @@ def vocab_mask(tok, name: str, vocab_size: int | None = None, ids=None) -> np.nd
     if name == EXPLICIT:
         if ids is None:
             raise ValueError("an explicit mask needs its ids")
-        out = np.union1d(as_mask(ids, V), np.asarray(specials, dtype=np.int64))
-        out.flags.writeable = False
-        return out
+        return np.union1d(as_mask(ids, V), np.asarray(specials, dtype=np.int64))
     if name not in MASK_NAMES:
         raise ValueError(f"unknown vocabulary mask {name!r}; choose from {', '.join(MASK_NAMES + (EXPLICIT,))}")
     if ids is not None:
@@ -124,7 +122,7 @@ def vocab_mask(tok, name: str, vocab_size: int | None = None, ids=None) -> np.nd
     fp = tokenizer_fingerprint(tok)
     if (fp, name, V) not in _CACHE:
         _CACHE.update({(fp, m, V): a for m, a in _named_masks(tok, V, specials).items()})
-    return _CACHE[(fp, name, V)]
+    return _CACHE[(fp, name, V)].copy()  # the caller's own (writable) array
 
 
 def _named_masks(tok, V: int, specials: list[int]) -> dict[str, np.ndarray]:
@@ -376,7 +374,7 @@ def fuse_split_head(z_end: torch.Tensor, z_cloud, mask, k: int | None = None,
             top = torch.topk(dense, k, dim=1)
             rest = top.values.min(dim=1, keepdim=True).values if fill == "bound" else float("-inf")
             dense = torch.full_like(dense, 0.0).add_(rest).scatter(1, top.indices, top.values)
-    t = torch.from_numpy(np.array(ids))  # a copy: named masks are read-only
+    t = torch.tensor(ids)
     fused = z_end.float()[:, t] + dense.to(z_end.device)
     if softcap:
         fused = softcap * torch.tanh(fused / softcap)
