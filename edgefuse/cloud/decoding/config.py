@@ -10,7 +10,9 @@ from edgefuse.cloud.decoding.drafters import DRAFTERS, DrafterSpec
 from edgefuse.cloud.fusion import CONFIDENCES, FusionConfig
 from edgefuse.cloud.protocol import CloudAuth
 
-MODES = ("edge", "cloud", "spec_sync", "spec_async", "fusion_static", "fusion_adaptive")
+MODES = ("edge", "cloud", "spec_sync", "spec_async", "fusion_static", "fusion_adaptive", "split",
+         "split_spec")
+SPLIT_MODES = ("split", "split_spec")  # the device runs the target's first and last layers
 LINK_MODES = tuple(m for m in MODES if m != "edge")
 
 

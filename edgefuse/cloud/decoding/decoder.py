@@ -17,6 +17,13 @@ Modes (``MODES``):
   with the cloud's top-k (:mod:`edgefuse.cloud.fusion`); a per-token deadline makes the device emit
   its own token when the cloud is late (the cloud stays in sync because every request
   carries the tokens the device committed).
+- ``split`` / ``split_spec``: split inference (:mod:`.split`). The device runs the target's
+  embeddings, first ``k`` and last ``m`` layers and its head; the cloud only the middle
+  layers, seeing activations, never ids. ``split`` is one round trip per token (the naive
+  split, γ = 0); ``split_spec`` drafts a block and verifies it through the split in one
+  round trip, verifying on the device (it holds the final logits). Greedy output equals
+  the unsplit target's up to the int8 activation error (identical with float16 rows in
+  the tests).
 
 The speculative modes draft with a :class:`~edgefuse.cloud.decoding.drafters.Drafter`
 (full head, pruned head, shallow layers or prompt lookup, ``cloud.decode.drafter``); the
@@ -48,14 +55,14 @@ import numpy as np
 import torch
 
 from edgefuse.cloud import protocol as P
-from edgefuse.cloud.decoding.config import MODES, DecodeConfig, DecodeError
+from edgefuse.cloud.decoding.config import MODES, SPLIT_MODES, DecodeConfig, DecodeError
 from edgefuse.cloud.decoding.drafters import Draft, Drafter, FullHeadDrafter, drafter_for
 from edgefuse.cloud.decoding.edge import EdgeLM
 from edgefuse.cloud.decoding.result import DecodeResult
 from edgefuse.cloud.fusion import FusionConfig, fuse
 from edgefuse.cloud.speculative import GammaController
 
-SPEC_MODES = ("spec_sync", "spec_async")  # the modes that draft with the decoder's drafter
+SPEC_MODES = ("spec_sync", "spec_async", "split_spec")  # the modes that draft with the decoder's drafter
 
 
 def _poll(link):
@@ -85,11 +92,15 @@ class Decoder:
         drafter: what proposes the drafts of the speculative modes (None:
             :func:`~edgefuse.cloud.decoding.drafters.drafter_for` ``edge``, its pruned head
             if it has one, else its full head).
+        split: the target's device parts for ``split`` / ``split_spec``
+            (:class:`~edgefuse.cloud.decoding.split.SplitDevice`; None: those modes raise).
     """
 
     def __init__(self, edge: EdgeLM, link=None, fingerprint: str = "", rtt_ms: float = 20.0,
-                 drafter: Drafter | None = None):
+                 drafter: Drafter | None = None, split=None):
         self.edge, self.link, self.fingerprint = edge, link, fingerprint
+        self.split = split
+        self._session = None  # the split session of the generation in progress
         self.drafter = drafter if drafter is not None else drafter_for(edge)
         self.rtt_ms = rtt_ms
         self.draft_ms = 50.0
@@ -111,6 +122,8 @@ class Decoder:
             raise DecodeError(f"unknown decoding mode {mode!r}; choose from {', '.join(MODES)}")
         if mode != "edge" and self.link is None:
             raise DecodeError(f"mode {mode!r} needs a cloud link")
+        if mode in SPLIT_MODES and self.split is None:
+            raise DecodeError(f"mode {mode!r} needs the target's device layers (cloud.split)")
         res = DecodeResult(mode=mode, tokens=[])
         gen = torch.Generator().manual_seed(cfg.seed)
         t0 = time.perf_counter()
@@ -121,7 +134,11 @@ class Decoder:
         res.drafter = drafter.name if mode in SPEC_MODES else None
         if mode != "edge":
             try:
-                self._open(prompt, cfg)
+                if mode in SPLIT_MODES:
+                    self._session = self.split.session(self.link, cfg.auth, cfg.timeout_s, cfg.seed)
+                    self._session.open(prompt)
+                else:
+                    self._open(prompt, cfg)
             except (ConnectionError, TimeoutError, OSError, P.RemoteError) as exc:
                 if isinstance(exc, P.RemoteError) and exc.code != "busy":
                     raise  # a refused pair (fingerprint, context) is an error, not an outage
@@ -135,8 +152,8 @@ class Decoder:
         try:
             if mode == "edge":
                 self._edge_only(cfg, gen, res)
-            elif mode in ("cloud", "spec_sync"):
-                self._speculative(prompt, cfg, gen, res, drafter, gamma0=(mode == "cloud"))
+            elif mode in ("cloud", "spec_sync", "split", "split_spec"):
+                self._speculative(prompt, cfg, gen, res, drafter, gamma0=mode in ("cloud", "split"))
             elif mode == "spec_async":
                 self._speculative_async(prompt, cfg, gen, res, drafter)
             else:
@@ -148,6 +165,7 @@ class Decoder:
             res.decode_s = time.perf_counter() - t1
             if mode != "edge" and res.fallback is None:
                 self.link.send(P.Close())  # frees the cloud's cache; the connection stays
+            self._session = None
             c2 = self._counters()
             res.bytes_up, res.bytes_down, res.round_trips = (c2[i] - c1[i] for i in range(3))
         res.text = self.edge.tok.decode(res.tokens, skip_special_tokens=True)
@@ -268,19 +286,27 @@ class Decoder:
             left = cfg.max_new_tokens - len(res.tokens)
             g = min(ctl.choose(self.draft_ms, self.rtt_ms, self.verify_ms), max(left - 1, 0))
             draft = self._draft(drafter, g, cfg, gen)
-            msg = self._verify_msg(committed, draft, cfg)
             t0 = time.perf_counter()
             try:
-                reply = self.link.request(msg, timeout_s=cfg.timeout_s)
+                n, token = self._verify(committed, draft, cfg)
             except (ConnectionError, TimeoutError, OSError, P.RemoteError) as exc:
                 return self._fallback(res, exc, cfg, gen, committed)
             self._time_round_trip(1000 * (time.perf_counter() - t0), ctl, len(draft.ids))
-            ctl.update(reply.accepted, len(draft.ids))
-            done, ahead = self._commit(drafter, res, committed, draft, reply.accepted, reply.token, cfg)
+            ctl.update(n, len(draft.ids))
+            done, ahead = self._commit(drafter, res, committed, draft, n, token, cfg)
             if done:
                 return
             if ahead:  # nothing was drafted on top of this block's answer: start afresh
                 drafter.rollback(len(committed))
+
+    def _verify(self, committed: list[int], draft: Draft, cfg) -> tuple[int, int]:
+        """``(accepted, next token)`` for ``draft`` on top of ``committed``: one VERIFY, or
+        through the split session (the device verifies; one MID, plus a HEAD with a split
+        head)."""
+        if self._session is not None:
+            return self._session.verify(committed, draft, cfg.temperature, cfg.top_k)
+        reply = self.link.request(self._verify_msg(committed, draft, cfg), timeout_s=cfg.timeout_s)
+        return reply.accepted, reply.token
 
     def _time_round_trip(self, rt_ms: float, ctl: GammaController, gamma: int) -> None:
         """Split a measured round trip (ms) into the assumed RTT and the cloud's verify time,

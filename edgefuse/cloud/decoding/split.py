@@ -1,0 +1,243 @@
+"""The device end of split inference: the target's first and last layers run here, the
+cloud runs only the middle ones (:mod:`edgefuse.cloud.split`, the wire in
+:mod:`edgefuse.cloud.protocol`, the cloud side in :mod:`edgefuse.cloud.split_target`).
+
+A :class:`SplitSession` holds one session's :class:`~edgefuse.cloud.split.DeviceSplit` and
+the device's copy of the row ledger (:class:`~edgefuse.cloud.protocol.SplitLedger`, the same
+arithmetic as the cloud's). :meth:`SplitSession.score` is one round trip (two with a split
+head): the front over the last committed token and the drafts, one MID, the back, the head
+(local, or HEAD → LOGITS fused over the vocabulary mask); the device verifies the block
+itself because it holds the final logits. The decoder's ``split`` mode is this with γ = 0
+(one round trip per token: the naive split), ``split_spec`` drafts a block first
+(speculative decoding through the split, Leviathan et al. 2023).
+
+The cloud sees the activations after layer ``k`` (int8 with per-row scales, or float16),
+and with a split head the last ``D - head_split`` columns of the final hidden state; never
+token ids or text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from edgefuse.cloud import protocol as P
+from edgefuse.cloud import split as S
+from edgefuse.cloud import vocab as V
+from edgefuse.cloud.speculative import sparse_q, target_probs, verify_greedy, verify_sampled
+
+FILLS = V.FILLS
+
+
+@dataclass(frozen=True)
+class SplitSettings:
+    """What a device asks of a split session (config ``cloud.split``).
+
+    ``k`` / ``m``: decoder layers the device runs first / last; ``head_split``: None = the
+    device holds the whole LM head, ``s`` = it holds columns ``[:s]`` and the cloud the rest
+    (then ``mask`` names the vocabulary the cloud scores: a name of
+    :data:`edgefuse.cloud.vocab.MASK_NAMES`, default ``full``); ``act``: activations on the
+    link, ``int8`` (per-row scales) or ``float16``; ``head_topk``: 0 = the cloud returns the
+    whole mask 8-bit, k = its top-k within the mask; ``fill``: what a mask token outside the
+    top-k gets (:func:`edgefuse.cloud.vocab.fuse_split_head`).
+
+    Raises ``ValueError`` for out-of-range values (the model's own bounds are checked by
+    :meth:`spec` against its config)."""
+    k: int = 2
+    m: int = 2
+    head_split: int | None = None
+    act: str = "int8"
+    mask: str | None = None
+    head_topk: int = 0
+    fill: str = "drop"
+
+    def __post_init__(self):
+        S.SplitSpec(self.k, self.m, self.head_split, self.act)  # types and ranges
+        if self.mask is not None and self.mask not in V.MASK_NAMES:
+            raise ValueError(f"split mask {self.mask!r} is unknown: choose from {', '.join(V.MASK_NAMES)}")
+        if self.mask is not None and self.head_split is None:
+            raise ValueError("a vocabulary mask needs a split head (head_split): with the whole "
+                             "head on the device nothing is masked at the cloud")
+        if isinstance(self.head_topk, bool) or not isinstance(self.head_topk, int) \
+                or not 0 <= self.head_topk <= P.MAX_TOPK:
+            raise ValueError(f"split head_topk must be in 0..{P.MAX_TOPK}, got {self.head_topk!r}")
+        if self.fill not in FILLS:
+            raise ValueError(f"split fill must be one of {', '.join(FILLS)}, got {self.fill!r}")
+
+    def spec(self, n_layers: int, hidden_size: int) -> S.SplitSpec:
+        """The :class:`~edgefuse.cloud.split.SplitSpec`, checked against a model of
+        ``n_layers`` decoder layers and hidden size ``hidden_size``."""
+        return S.SplitSpec(self.k, self.m, self.head_split, self.act).check(n_layers, hidden_size)
+
+    def request(self) -> P.SplitRequest:
+        """The OPEN's ``split`` field."""
+        mask = None if self.head_split is None else (self.mask or "full")
+        return P.SplitRequest(self.k, self.m, self.head_split, self.act, mask)
+
+    def to_dict(self) -> dict:
+        return {"k": self.k, "m": self.m, "head_split": self.head_split, "act": self.act,
+                "mask": self.mask, "head_topk": self.head_topk, "fill": self.fill}
+
+
+def settings_from_config(node) -> SplitSettings:
+    """:class:`SplitSettings` of a ``cloud.split`` config group (a key it lacks takes the
+    default). Raises ``ValueError`` naming a bad value."""
+    base = SplitSettings()
+    get = node.get if hasattr(node, "get") else (lambda key, d=None: getattr(node, key, d))
+    values = {}
+    for key in ("k", "m", "head_split", "act", "mask", "head_topk", "fill"):
+        v = get(key, getattr(base, key))
+        values[key] = v if v is None or isinstance(v, (bool, int, str)) else \
+            (int(v) if float(v).is_integer() else v)
+    return SplitSettings(**values)
+
+
+class SplitSession:
+    """One split session on a :class:`edgefuse.cloud.link.CloudLink`.
+
+    Args:
+        link: a connected link (one session at a time, like every mode).
+        parts: the device's :class:`~edgefuse.cloud.split.SplitParts` (front, back, head;
+            shared by the sessions of one device process).
+        settings: :class:`SplitSettings`.
+        fingerprint: the target tokenizer's fingerprint.
+        tok: the target's tokenizer (its vocabulary masks).
+        auth: the cache tuple (flagCache, LCache) every MID carries.
+        timeout_s: a request unanswered this long means the cloud is gone.
+        seed: the seed of the device's verification sampler (temperature > 0).
+
+    Counters: ``mids`` / ``heads`` (requests sent), ``rows_sent`` (front rows sent, re-sent
+    window rows included), ``resent_rows``.
+    """
+
+    def __init__(self, link, parts: S.SplitParts, settings: SplitSettings, fingerprint: str, tok,
+                 auth: P.CloudAuth, timeout_s: float = 60.0, seed: int = 0):
+        self.link, self.parts, self.settings = link, parts, settings
+        self.spec = settings.spec(parts.n_layers, parts.hidden_size)
+        self.fingerprint, self.auth, self.timeout_s = fingerprint, auth, float(timeout_s)
+        self.mask = (None if settings.head_split is None
+                     else V.vocab_mask(tok, settings.mask or "full", vocab_size=parts.vocab_size))
+        self.device = S.DeviceSplit(parts, self.spec)
+        self.ledger = P.SplitLedger()
+        digest = hashlib.sha256(b"edgefuse/split-verify/" + str(int(seed)).encode()).digest()
+        self.gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "big") >> 1)
+        self._req = 0
+        self.mids = self.heads = self.rows_sent = self.resent_rows = 0
+
+    def _next_req(self) -> int:
+        self._req = (self._req + 1) % 2**32
+        return self._req
+
+    def open(self, prompt: list[int]) -> None:
+        """OPEN the split session (no ids sent) and prefill ``prompt[:-1]`` through the split
+        (one MID), so the first :meth:`score` feeds the prompt's last token. Raises
+        :class:`edgefuse.cloud.protocol.RemoteError` (``split``: a split this cloud does not
+        serve), ``TimeoutError``, ``ConnectionError``."""
+        if not prompt:
+            raise ValueError("split: empty prompt")
+        self.link.open_split(self.settings.request(), self.fingerprint, auth=self.auth,
+                             timeout_s=self.timeout_s)
+        if len(prompt) > 1:
+            self.device.back(self._mid(0, self.device.front(prompt[:-1])))
+
+    def _mid(self, base_len: int, new: torch.Tensor) -> torch.Tensor:
+        """One MID: commit ``base_len`` rows, re-send what the window needs, send ``new``
+        (``[n, D]``, positions base_len ..); returns the middle's output ``[n, D]``."""
+        led, auth = self.ledger, self.auth
+        led.apply(auth)
+        led.check(base_len)
+        c = led.resend(auth, base_len)
+        start = base_len - auth.window(base_len)
+        rows = torch.cat([self.device.front_rows(start, start + c).float(), new.float()])
+        n = int(new.shape[0])
+        msg = P.Mid(self._next_req(), base_len, c, n, S.encode_acts(rows, self.spec.act), auth=auth)
+        reply = self.link.request(msg, timeout_s=self.timeout_s)
+        if not isinstance(reply, P.MidOut) or reply.req != msg.req or reply.n != n:
+            raise P.ProtocolError(f"expected MIDOUT for request {msg.req} with {n} rows, got {reply!r:.120}")
+        led.commit(auth, base_len, n)
+        self.mids += 1
+        self.rows_sent += c + n
+        self.resent_rows += c
+        return S.decode_acts(reply.acts, n, self.parts.hidden_size, self.spec.act)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """``float32 [n, V]`` logits of final hidden rows ``h [n, D]``: the whole head here,
+        or z_end here + the cloud's masked part (HEAD → LOGITS), -inf outside the mask."""
+        if self.spec.head_split is None:
+            return self.device.logits(h)
+        z_end, tail = self.device.head_part(h)
+        k, n = self.settings.head_topk, int(h.shape[0])
+        msg = P.Head(self._next_req(), n, k, S.encode_acts(tail.float(), self.spec.act))
+        reply = self.link.request(msg, timeout_s=self.timeout_s)
+        if not isinstance(reply, P.Logits) or reply.req != msg.req:
+            raise P.ProtocolError(f"expected LOGITS for request {msg.req}, got {reply!r:.120}")
+        self.heads += 1
+        z = V.decode_masked(reply.payload, n, int(self.mask.size), k)
+        return V.fuse_split_head(z_end, z, self.mask, softcap=self.parts.softcap, fill=self.settings.fill)
+
+    @torch.no_grad()
+    def score(self, committed: list[int], draft: list[int]) -> torch.Tensor:
+        """The target's logits ``float32 [γ + 1, V]`` after ``committed`` and each prefix of
+        ``draft`` (γ ids): rolls both halves back to ``len(committed) - 1`` rows first (the
+        rejected drafts of the previous block), then one MID of the last committed token and
+        the drafts."""
+        base = len(committed) - 1
+        self.device.crop(base)
+        x = self.device.front([committed[-1]] + list(draft))
+        return self._logits(self.device.back(self._mid(base, x)))
+
+    def verify(self, committed: list[int], draft, temperature: float, top_k: int) -> tuple[int, int]:
+        """Verify a :class:`~edgefuse.cloud.decoding.drafters.Draft` on top of ``committed``:
+        ``(accepted, next token)``, greedy (temperature 0) or by exact rejection sampling
+        against the draft's sparse q (lossless either way)."""
+        logits = self.score(committed, draft.ids)
+        if temperature == 0:
+            return verify_greedy(torch.argmax(logits, dim=-1).tolist(), list(draft.ids))
+        p = target_probs(logits, temperature, top_k)
+        q = [sparse_q(a, b) for a, b in draft.q]
+        return verify_sampled(p, list(draft.ids), q, self.gen)
+
+    def close(self) -> None:
+        """CLOSE the session (the cloud frees its middle cache); the link stays open."""
+        self.link.send(P.Close())
+
+
+@dataclass
+class SplitDevice:
+    """What a device holds for split inference: the target's device parts (shared by its
+    sessions), the settings, the target's tokenizer and its fingerprint. :meth:`session`
+    starts one :class:`SplitSession` on a link."""
+    parts: S.SplitParts
+    settings: SplitSettings
+    tok: object
+    fingerprint: str
+
+    def session(self, link, auth: P.CloudAuth, timeout_s: float, seed: int = 0) -> SplitSession:
+        return SplitSession(link, self.parts, self.settings, self.fingerprint, self.tok, auth,
+                            timeout_s=timeout_s, seed=seed)
+
+
+def load_split_device(name: str, settings: SplitSettings, root=None, device: str = "cpu") -> SplitDevice:
+    """Load the target ``name`` (the cloud's model, from the local model cache), cut it at
+    ``settings`` and keep only the device's parts (front, back, head); the middle layers are
+    released. Raises ``ValueError`` for a split the model cannot take (named)."""
+    import gc
+
+    from edgefuse.cloud.target import tokenizer_fingerprint
+    from edgefuse.models import load_model
+
+    model, tok = load_model(name, root=root)
+    model.eval().requires_grad_(False)
+    cfg = model.config
+    settings.spec(int(cfg.num_hidden_layers), int(cfg.hidden_size))
+    parts = S.free_unused(S.split_model(model, settings.k, settings.m), "device")
+    for i in range(settings.k, int(cfg.num_hidden_layers) - settings.m):
+        model.get_decoder().layers[i] = torch.nn.Identity()  # the middle: the cloud's
+    del model
+    gc.collect()
+    parts.front.to(device)
+    parts.back.to(device)
+    return SplitDevice(parts, settings, tok, tokenizer_fingerprint(tok))
