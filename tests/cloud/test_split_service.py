@@ -57,13 +57,14 @@ def tiny():
 
 @pytest.fixture
 def make_service(tiny):
-    """Factory: a started service whose split runner follows ``policy`` (``split=False``:
-    no split runner at all)."""
+    """Factory: a started service whose split runner (``runner``, a :class:`SplitTarget`
+    class) follows ``policy`` (``split=False``: no split runner at all)."""
     model, tok, _ = tiny
     started = []
 
-    def make(policy: SplitPolicy | None = None, split: bool = True, **kw) -> CloudService:
-        runner = (SplitTarget(model, tok, NAME, policy, max_context=CTX, max_batch_tokens=512)
+    def make(policy: SplitPolicy | None = None, split: bool = True, runner=SplitTarget,
+             **kw) -> CloudService:
+        runner = (runner(model, tok, NAME, policy, max_context=CTX, max_batch_tokens=512)
                   if split else None)
         svc = CloudService(Target(model, tok, NAME, max_context=CTX), "127.0.0.1", 0,
                            split=runner, **{**service_keys(), **kw})
@@ -446,21 +447,42 @@ def test_two_sessions_batched_equal_each_alone(make_service, tiny):
     assert not torch.equal(outs[0][1], outs[1][1])
 
 
+class SlowSplitTarget(SplitTarget):
+    """The real split runner with a delay before each step (to queue jobs behind one)."""
+
+    delay_s = 0.0
+
+    def step(self, jobs):
+        time.sleep(self.delay_s)
+        return super().step(jobs)
+
+
 def test_mid_and_verify_never_share_a_forward(make_service, tiny):
+    """A VERIFY and a MID of two sessions queued behind a slow MID: the next batch takes the
+    VERIFY alone, the MID runs in its own; both are answered right."""
     model, _, fp = tiny
-    svc = make_service(max_wait_ms=300.0)
-    with connect(svc) as plain, connect(svc) as split:
+    svc = make_service(max_wait_ms=0.0, runner=SlowSplitTarget)
+    with connect(svc) as plain, connect(svc) as s1, connect(svc) as s2:
         plain.open(PROMPT, fp, max_new=16)
-        split.open_split(SPEC, fp)
-        dev = SplitDevice(split, model)
-        msg, base = dev.mid_msg(PROMPT)
-        split.send(msg)
+        devs = []
+        for link in (s1, s2):
+            link.open_split(SPEC, fp)
+            devs.append(SplitDevice(link, model))
+        first, base1 = devs[0].mid_msg(PROMPT)
+        second, base2 = devs[1].mid_msg(PROMPT[:3])
+        svc.split.delay_s = 0.5
+        s1.send(first)  # occupies the worker for 0.5 s
+        time.sleep(0.1)
         plain.send(P.Verify(1, len(PROMPT), []))
-        dev.took(split.recv(timeout_s=20), base, len(PROMPT))
+        time.sleep(0.05)
+        s2.send(second)
+        devs[0].took(s1.recv(timeout_s=20), base1, len(PROMPT))
         assert isinstance(plain.recv(timeout_s=20), P.Verified)
+        h = devs[1].took(s2.recv(timeout_s=20), base2, 3)
+        assert torch.allclose(h, middle_alone(model, devs[1].dev.front_rows(0, 3), 0), atol=1e-3)
     st = svc.stats()
-    assert st["max_batch_size"] == 1 and st["split_batches"] == 1 and st["batches"] == 2
-    assert svc.split.jobs == 1 and svc.target.jobs == 1
+    assert st["max_batch_size"] == 1 and st["split_batches"] == 2 and st["batches"] == 3
+    assert svc.split.jobs == 2 and svc.target.jobs == 1
 
 
 # --------------------------------------------------------------------------- split head
@@ -481,8 +503,10 @@ def test_split_head_logits_and_explicit_mask(make_service, tiny):
         with pytest.raises(P.RemoteError, match="exceeds the mask") as err:
             link.request(P.Head(50, 1, len(tok) + 1, S.encode_acts(tail[:1], "float16")), timeout_s=10)
         assert err.value.code == "protocol"
-        with pytest.raises(P.RemoteError, match="rows") as err:  # more rows than the last MID's
-            link.request(P.Head(51, len(PROMPT) + 1, 0, b""), timeout_s=10)
+        extra = torch.cat([tail, tail[:1]])  # one row more than the last MID's, well formed
+        with pytest.raises(P.RemoteError, match="the last MID had 7") as err:
+            link.request(P.Head(51, len(PROMPT) + 1, 0, S.encode_acts(extra, "float16")), timeout_s=10)
+        assert err.value.code == "protocol"
         with pytest.raises(P.RemoteError, match="bytes"):
             link.request(P.Head(52, 2, 0, S.encode_acts(tail[:2], "float16")[:-1]), timeout_s=10)
         rep = link.request(P.Head(53, len(PROMPT), 0, S.encode_acts(tail, "float16")), timeout_s=10)
