@@ -239,17 +239,21 @@ def _partial(n, size, seed=0, spread=8.0):
     return torch.randn(n, size, generator=torch.Generator().manual_seed(seed)) * spread
 
 
-@pytest.mark.parametrize("spread", [0.01, 8.0, 3000.0])
-def test_whole_subset_codec_round_trips_within_half_a_step(spread):
-    z = _partial(7, 301, spread=spread)
-    z[3] = 2.7183  # a constant row
+@pytest.mark.parametrize("offset, spread", [(0.0, 0.01), (0.0, 8.0), (0.0, 3000.0), (1000.0, 0.01)])
+def test_whole_subset_codec_round_trips_within_half_a_step(offset, spread):
+    """Also a narrow row far from 0 (float16's step at 1000 is 0.5, far above the row's
+    range): ``lo`` must be rounded down, else the row's minimum clips above its value."""
+    z = _partial(7, 301, spread=spread) + offset
+    z[3] = 2.7183 + offset  # a constant row
     buf = Vb.encode_masked(z, 0)
     assert len(buf) == Vb.masked_nbytes(7, 301, 0) == 7 * (4 + 301)
     got = Vb.decode_masked(buf, 7, 301, 0)
     assert got.values.shape == (7, 301) and got.idx is None and got.k == 0
     err = np.abs(got.values - z.numpy())
-    assert np.all(err <= got.scale[:, None] / 2 + 1e-6 * spread)
-    assert np.all(got.scale <= (z.max(1).values - z.min(1).values).numpy() / 255 * 1.01 + 1e-3)
+    assert np.all(err <= got.scale[:, None] / 2 + 1e-6 * float(z.abs().max()))
+    lo = np.frombuffer(buf[:14], dtype="<f2").astype(np.float64)
+    assert np.all(lo <= z.min(1).values.numpy())
+    assert np.all(got.scale <= (z.max(1).values.numpy() - lo) / 255 * (1 + 2**-10) + 1e-7)
 
 
 @pytest.mark.parametrize("k", [1, 16, 301])
