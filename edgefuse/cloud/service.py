@@ -94,6 +94,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import hmac
+import json
 import itertools
 import logging
 import os
@@ -1113,7 +1114,7 @@ def serve(model: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, max_
           max_draft: int = 16, max_batch_tokens: int = 8192, max_handshakes: int | None = None,
           identity_path: str | os.PathLike | None = None,
           authorized_path: str | os.PathLike | None = None,
-          insecure_anonymous: bool = False) -> None:
+          insecure_anonymous: bool = False, split_policy: dict | None = None) -> None:
     """Load ``model`` (an :mod:`edgefuse.models` name), build a :class:`edgefuse.cloud.target.Target`
     and serve until SIGINT/SIGTERM. ``threads``: torch CPU threads (None = torch default).
     ``port_file``: once listening, the bound port is written there (atomically). The limits
@@ -1121,7 +1122,9 @@ def serve(model: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, max_
     health token is read from ``$EDGEFUSE_CLOUD_HEALTH_TOKEN`` (unset: none).
     ``identity_path`` / ``authorized_path``: the service's identity key and its authorized
     devices (:func:`load_service_keys`; both required unless ``insecure_anonymous``), loaded
-    before the model. Raises :class:`edgefuse.transport.identity.IdentityError` for keys that
+    before the model. ``split_policy``: serve split inference under this
+    ``cloud.service.split`` mapping (:meth:`edgefuse.cloud.split_target.SplitPolicy.from_config`:
+    ``allowed``, ``head_split``, ``acts``); None: split OPENs get ERROR ``split``. Raises :class:`edgefuse.transport.identity.IdentityError` for keys that
     cannot be loaded, ``ModelSpecError`` / ``ModelFetchError`` for a model that cannot be
     loaded, ``ValueError`` for an out-of-range limit and ``OSError`` when the port cannot be
     bound."""
@@ -1130,6 +1133,9 @@ def serve(model: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, max_
     from edgefuse.cloud.target import Target
     from edgefuse.models import load_model
 
+    from edgefuse.cloud.split_target import SplitPolicy, SplitTarget
+
+    policy = SplitPolicy.from_config(split_policy) if split_policy is not None else None
     identity = authorized = None
     if insecure_anonymous:
         log.warning("cloud service: ANONYMOUS handshake only (--insecure-anonymous): no device "
@@ -1146,13 +1152,19 @@ def serve(model: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, max_
                     max_batch_tokens=max_batch_tokens)
     log.info("model %s loaded in %.1f s (fingerprint %s, context %d)", model,
              time.perf_counter() - t0, target.fingerprint, target.context_len)
+    split = None
+    if policy is not None:
+        split = SplitTarget(model_obj, tok, model, policy, max_context=max_context,
+                            max_batch_tokens=max_batch_tokens)
+        log.info("split inference served: allowed %s, head split %s, acts %s", policy.allowed,
+                 policy.head_split, ",".join(policy.acts))
     svc = CloudService(target, host, port, max_batch=max_batch, max_wait_ms=max_wait_ms,
                        max_sessions=max_sessions, max_connections=max_connections,
                        idle_timeout_s=idle_timeout_s, handshake_timeout_s=handshake_timeout_s,
                        max_frame_bytes=max_frame_bytes, max_pending=max_pending,
                        max_queue=max_queue, health_token=os.environ.get(HEALTH_TOKEN_ENV) or None,
                        identity=identity, authorized=authorized, max_handshakes=max_handshakes,
-                       insecure_anonymous=insecure_anonymous)
+                       insecure_anonymous=insecure_anonymous, split=split)
 
     def ready():
         if port_file:
@@ -1220,7 +1232,8 @@ def start_service_process(model: str, host: str = "127.0.0.1", port: int = 0, *,
                           max_batch_tokens: int = 8192, max_handshakes: int | None = None,
                           identity_path: str | os.PathLike | None = None,
                           authorized_path: str | os.PathLike | None = None,
-                          insecure_anonymous: bool = False) -> tuple[subprocess.Popen, int]:
+                          insecure_anonymous: bool = False,
+                          split_policy: dict | None = None) -> tuple[subprocess.Popen, int]:
     """Start ``edgefuse cloud serve`` as a child process and wait until it answers a health
     check; returns ``(process, bound port)``. ``port=0`` picks a free port. The child's
     stdout+stderr go to ``log_path`` (appended; default: a temporary file), available as
@@ -1234,7 +1247,8 @@ def start_service_process(model: str, host: str = "127.0.0.1", port: int = 0, *,
     model cache the child loads from (``None``: its own default resolution).
     ``identity_path`` / ``authorized_path``: the service's keys (``--identity`` /
     ``--authorized-devices``; None: the child's defaults under its keys root);
-    ``insecure_anonymous``: ``--insecure-anonymous`` (the benchmark's "auth off" only)."""
+    ``insecure_anonymous``: ``--insecure-anonymous`` (the benchmark's "auth off" only);
+    ``split_policy``: ``--split-policy JSON`` (see :func:`serve`; None: no split inference)."""
     from edgefuse.cloud.link import cloud_health
 
     workdir = Path(tempfile.mkdtemp(prefix="edgefuse-cloud-"))
@@ -1261,6 +1275,11 @@ def start_service_process(model: str, host: str = "127.0.0.1", port: int = 0, *,
         cmd += ["--authorized-devices", str(authorized_path)]
     if insecure_anonymous:
         cmd += ["--insecure-anonymous"]
+    if split_policy is not None:
+        from edgefuse.cloud.split_target import SplitPolicy
+
+        policy = SplitPolicy.from_config(split_policy)  # a bad policy fails here, not in the child
+        cmd += ["--split-policy", json.dumps(policy.to_config(), separators=(",", ":"))]
     child_env = dict(os.environ if env is None else env)
     child_env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(_REPO_ROOT), child_env.get("PYTHONPATH", "")) if p)

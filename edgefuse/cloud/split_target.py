@@ -93,7 +93,7 @@ class SplitPolicy:
         node = dict(node or {})
         allowed = node.get("allowed", "any")
         if allowed != "any":
-            if not isinstance(allowed, (list, tuple)):
+            if isinstance(allowed, (str, bytes, dict)) or not hasattr(allowed, "__iter__"):
                 raise ValueError(f"split.allowed must be 'any' or a list of {{k, m}}, got "
                                  f"{allowed!r:.80}")
             try:
@@ -103,6 +103,11 @@ class SplitPolicy:
                                  f"{allowed!r:.80}") from None
         return cls(allowed, node.get("head_split", True),
                    tuple(node.get("acts", P.SPLIT_ACTS)))
+
+    def to_config(self) -> dict:
+        """The plain mapping :meth:`from_config` reads (JSON-ready)."""
+        allowed = "any" if self.allowed == "any" else [{"k": k, "m": m} for k, m in self.allowed]
+        return {"allowed": allowed, "head_split": self.head_split, "acts": list(self.acts)}
 
     def permits(self, k: int, m: int) -> bool:
         return self.allowed == "any" or (k, m) in self.allowed

@@ -569,3 +569,22 @@ def test_split_sessions_get_a_frame_cap_from_their_bounds(make_service, tiny):
         wire.recv_message(raw.sock)
     raw.close()
     assert svc.stats()["frames_oversized"] == 2
+
+
+# ---------------------------------------------------------------------------- policy
+
+def test_split_policy_from_config():
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.create({"allowed": [{"k": 2, "m": 2}, {"k": 1, "m": 0}], "head_split": False,
+                             "acts": ["int8"]})
+    pol = SplitPolicy.from_config(node)
+    assert pol == SplitPolicy(((2, 2), (1, 0)), False, ("int8",))
+    assert pol.permits(2, 2) and not pol.permits(2, 1)
+    assert SplitPolicy.from_config(pol.to_config()) == pol
+    assert SplitPolicy.from_config({}).permits(5, 3)  # "any" by default
+    for bad, match in (({"allowed": "some"}, "list of"), ({"allowed": [{"k": 1}]}, "entries"),
+                       ({"allowed": [{"k": 0, "m": 1}]}, "k >= 1"), ({"head_split": "yes"}, "bool"),
+                       ({"acts": ["int4"]}, "subset"), ({"acts": []}, "subset")):
+        with pytest.raises(ValueError, match=match):
+            SplitPolicy.from_config(bad)
