@@ -8,7 +8,9 @@ With a split head the device holds the first ``s`` columns of the target's LM he
 The cloud computes ``z_cloud`` only over a **vocabulary mask** ``S`` (sorted token ids) and
 sends it back 8-bit: the whole subset, or its top-k within the subset. The device adds its
 own ``z_end`` and decodes over ``S`` only (:func:`fuse_split_head`); tokens outside ``S`` are
-never emitted.
+never emitted. In top-k mode a mask token the cloud did not send is scored at ``z_end`` + the
+row's smallest sent value (``fill="bound"``, an upper bound of its true logit) or left out
+(``fill="drop"``).
 
 Masks (:func:`vocab_mask`), from the decoded string of each single token:
 
