@@ -254,8 +254,9 @@ def encode_masked(z, k: int = 0) -> bytes:
     the whole subset 8-bit (``k = 0``) or its top-k within the subset (see the module
     docstring for the layout).
 
-    Raises ``ValueError``: ``z`` not 2-D or empty, a non-finite value or one beyond float16's
-    range (±65504), ``k < 0`` or ``k > |S|``."""
+    Raises ``ValueError``: ``z`` not 2-D or empty, a non-finite value or one beyond ±32752
+    (half float16's range, so ``lo`` and ``lo + 255·scale`` stay finite), ``k < 0`` or
+    ``k > |S|``."""
     x = z.detach().cpu().double().numpy() if isinstance(z, torch.Tensor) else np.asarray(z, dtype=np.float64)
     if x.ndim != 2 or x.shape[0] < 1 or x.shape[1] < 1:
         raise ValueError(f"partial logits must be [n >= 1, |S| >= 1], got shape {x.shape}")
