@@ -340,11 +340,14 @@ def resolve_path(spec: ModelSpec, root: str | os.PathLike | None = None, allow_f
 
 
 def load_model(name: str, root: str | os.PathLike | None = None, allow_fetch: bool = True,
-               device: str = "cpu"):
+               device: str = "cpu", layers=None):
     """Load ``(model, tokenizer)`` for a spec name, in float32, in eval mode, on ``device``
     (a torch device name, e.g. from :func:`edgefuse.config.resolve_device`; logged).
 
-    Tokenizers get a pad token (the EOS token) when they have none.
+    Tokenizers get a pad token (the EOS token) when they have none. ``layers``: load only
+    these decoder layers (indices; the others become ``nn.Identity`` and their weights are
+    never read: a split-inference device holds the target's first and last layers only);
+    None = all.
 
     Raises:
         ModelSpecError: unknown name.
@@ -358,7 +361,15 @@ def load_model(name: str, root: str | os.PathLike | None = None, allow_fetch: bo
 
         path = resolve_path(spec, root, allow_fetch)
         tok = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype="float32")
+        if layers is None:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype="float32")
+        else:
+            model = _load_layers(path, layers)
+    if spec.tiny and layers is not None:
+        body = model.get_decoder()
+        for i in range(len(body.layers)):
+            if i not in set(layers):
+                body.layers[i] = _identity()
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     model.eval()
@@ -366,6 +377,51 @@ def load_model(name: str, root: str | os.PathLike | None = None, allow_fetch: bo
         model.to(device)
     log.info("model %s loaded on %s", name, device)
     return model, tok
+
+
+def _identity():
+    import torch
+
+    return torch.nn.Identity()
+
+
+def _load_layers(path: str, layers):
+    """A causal LM of the folder ``path`` with only the decoder ``layers`` (and everything
+    outside the decoder layers) read from its safetensors; the other layers are
+    ``nn.Identity``. Raises ``ValueError`` if a weight the kept parts need is missing."""
+    import re
+
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    keep = {int(i) for i in layers}
+    cfg = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    body = model.get_decoder()
+    for i in range(len(body.layers)):
+        if i not in keep:
+            body.layers[i] = _identity()
+    pattern = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+    state = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            for key in f.keys():
+                hit = pattern.search(key)
+                if hit is None or int(hit.group(1)) in keep:
+                    state[key] = f.get_tensor(key).float()
+    model.load_state_dict(state, strict=False, assign=True)
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+    for mname, mod in list(model.named_modules()):  # non-persistent buffers (rotary inv_freq)
+        if any(b.is_meta for b in mod.buffers(recurse=False)) and hasattr(mod, "config"):
+            parent, _, attr = mname.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr, type(mod)(config=mod.config))
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise ValueError(f"{path}: no weights for {left[0]} (and {len(left) - 1} more)")
+    return model.eval()
 
 
 def load_tokenizer(name: str, root: str | os.PathLike | None = None, allow_fetch: bool = True):

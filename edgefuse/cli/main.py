@@ -178,6 +178,9 @@ def _cloud(argv: list[str]) -> int:
     s.add_argument("--insecure-anonymous", action="store_true",
                    help="anonymous handshake only, no identities (benchmark comparison only; "
                         "authenticated devices are refused)")
+    s.add_argument("--split-policy", default=None,
+                   help='serve split inference under this JSON policy, e.g. \'{"allowed": "any", '
+                        '"head_split": true, "acts": ["int8", "float16"]}\' (default: no split inference)')
     s.add_argument("--port-file", default=None, help="write the bound port here once listening")
     s.add_argument("--log-level", default="INFO", help="logging level on stderr (default INFO)")
     s.add_argument("--cache-dir", default=None, help=CACHE_HELP)
@@ -188,7 +191,8 @@ def _cloud(argv: list[str]) -> int:
     h.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
     g = sub.add_parser("generate", help="complete a prompt (--prompt) or chat through the cloud link")
     g.add_argument("--mode", default="spec_async", choices=["all", "edge", "cloud", "spec_sync", "spec_async",
-                                                            "fusion_static", "fusion_adaptive"])
+                                                            "fusion_static", "fusion_adaptive", "split",
+                                                            "split_spec"])
     g.add_argument("--prompt", default=None, help="one prompt; without it: an interactive chat")
     g.add_argument("--model", default="qwen2.5-coder-0.5b", help="the edge model (default qwen2.5-coder-0.5b)")
     g.add_argument("--adapter", default=None, help="a PEFT adapter folder (a run's adapters/round_NNN/<model>)")
@@ -212,6 +216,20 @@ def _cloud(argv: list[str]) -> int:
     g.add_argument("--l-cache", type=int, default=None,
                    help="the most past tokens the cloud may keep and attend to "
                         "(default: privacy.cloud_auth.l_cache, unlimited)")
+    g.add_argument("--target", default="qwen2.5-coder-1.5b",
+                   help="split modes: the cloud's model, whose first and last layers run here "
+                        "(default qwen2.5-coder-1.5b)")
+    g.add_argument("--split-k", type=int, default=2, help="split modes: the target's first layers here (default 2)")
+    g.add_argument("--split-m", type=int, default=2, help="split modes: its last layers here (default 2)")
+    g.add_argument("--split-act", default="int8", choices=["int8", "float16"],
+                   help="split modes: activations on the link (default int8, per-row scales)")
+    g.add_argument("--head-split", type=int, default=None,
+                   help="split modes: hold only the head's first S columns; the cloud scores the rest "
+                        "(default: the whole head here)")
+    g.add_argument("--mask", default=None, choices=["full", "english", "ascii"],
+                   help="with --head-split: the vocabulary the cloud scores; other tokens are never emitted")
+    g.add_argument("--head-topk", type=int, default=0,
+                   help="with --head-split: 0 = the whole mask 8-bit (default), k = its top-k")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     g.add_argument("--device-dir", default=None,
                    help="the device home whose identity and pinned cloud key authenticate the link "
@@ -263,6 +281,14 @@ def _cloud(argv: list[str]) -> int:
     # serve() loads through edgefuse.models.cache_dir(), which reads EDGEFUSE_CACHE
     os.environ["EDGEFUSE_CACHE"] = str(resolve_paths(cache_dir=args.cache_dir).cache_dir)
     default_identity, default_authorized = default_service_keys(keys_root())
+    split_policy = None
+    if args.split_policy is not None:
+        import json
+
+        try:
+            split_policy = json.loads(args.split_policy)
+        except json.JSONDecodeError as e:
+            raise CLIError(f"--split-policy is not JSON: {e}") from None
     try:
         serve(args.model, args.host, args.port, max_batch=args.max_batch,
               max_wait_ms=args.max_wait_ms, max_sessions=args.max_sessions, threads=args.threads,
@@ -273,7 +299,7 @@ def _cloud(argv: list[str]) -> int:
               max_batch_tokens=args.max_batch_tokens, max_handshakes=args.max_handshakes,
               identity_path=args.identity or default_identity,
               authorized_path=args.authorized_devices or default_authorized,
-              insecure_anonymous=args.insecure_anonymous)
+              insecure_anonymous=args.insecure_anonymous, split_policy=split_policy)
     except (ModelSpecError, ModelFetchError, IdentityError, ValueError, OSError) as e:
         raise CLIError(e) from None
     return 0

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from edgefuse.cloud.decoding import MODES, DecodeConfig, DecodeResult, Decoder, EdgeLM, auth_from_config
+from edgefuse.cloud.decoding.config import SPLIT_MODES
 from edgefuse.cloud.fusion import FusionConfig
 from edgefuse.cloud import protocol as P
 from edgefuse.cloud.protocol import CloudAuth
@@ -137,6 +138,13 @@ def run(args) -> int:
 
         resolve_paths(job, data_mirror=paths.data_mirror or "hub", cache_dir=paths.cache_dir)
         head = pruned_head(model, tok, job.data, int(job.seed), args.draft_head, job.paths.cache_dir)
+    split = None
+    if set(modes) & set(SPLIT_MODES):  # the target's first and last layers run here
+        from edgefuse.cloud.decoding.split import SplitSettings, load_split_device
+
+        split = load_split_device(args.target, SplitSettings(
+            k=args.split_k, m=args.split_m, head_split=args.head_split, act=args.split_act,
+            mask=args.mask, head_topk=args.head_topk), root=paths.cache_dir)
     link = None
     if any(m != "edge" for m in modes):
         identity, trust = device_keys(args.device_dir, bool(args.trust_on_first_use))
@@ -166,7 +174,7 @@ def run(args) -> int:
                        fusion=FusionConfig(weight=args.fusion_weight, confidence=args.confidence),
                        deadline_ms=args.deadline_ms, auth=auth)
     dec = Decoder(EdgeLM(model, tok, head=head), link, tokenizer_fingerprint(tok),
-                  rtt_ms=WanProfile.from_name(args.wan).rtt_ms)
+                  rtt_ms=WanProfile.from_name(args.wan).rtt_ms, split=split)
     history: list[dict] = []
     mapping: dict[str, str] = {}  # placeholder -> value over the whole chat; stays here
     try:

@@ -27,7 +27,7 @@ ROW_FIELDS = ("mode", "rtt_ms", "devices", "tokens_per_s", "aggregate_tokens_per
               "round_trips_per_token", "bytes_down_per_token", "bytes_up_per_token",
               "acceptance_rate", "identical_to_target", "agreement_with_target", "ms_per_token",
               "gsm8k_exact_match", "rouge_l", "new_tokens", "deadline_misses", "fallbacks",
-              "edge_weight_mean", "prompts", "drafter",
+              "edge_weight_mean", "prompts", "drafter", "split",
               # n and 95 % intervals (edgefuse.eval.stats); *_vs_cloud: paired on the same prompts
               "agreement_n", "agreement_ci95_low", "agreement_ci95_high",
               "gsm8k_n", "gsm8k_ci95_low", "gsm8k_ci95_high",
@@ -98,7 +98,7 @@ def run_devices(model, tok, queries: list[Query], modes: list[str], cfg: DecodeC
                 connect_timeout_s: float = 30.0, progress=None,
                 batch_devices: bool = True,
                 drafter: DrafterSpec | None = None, identity=None, trust=None,
-                device_keys=None, insecure: bool = False) -> tuple[list[Record], dict[str, float]]:
+                device_keys=None, insecure: bool = False, split=None) -> tuple[list[Record], dict[str, float]]:
     """Decode every query in every mode with ``devices`` concurrent sessions.
 
     Queries are dealt round-robin to the devices; modes run one after another, each with all
@@ -114,6 +114,8 @@ def run_devices(model, tok, queries: list[Query], modes: list[str], cfg: DecodeC
     authenticates with (one real device holding ``devices`` sessions); ``device_keys``: one
     ``(identity, trust)`` per simulated device instead (a sweep of distinct provisioned
     devices); ``insecure``: anonymous links (the benchmark's "auth off" column only).
+    ``split``: the target's device layers for ``split`` / ``split_spec``
+    (:func:`edgefuse.cloud.decoding.split.load_split_device`; shared by the devices).
 
     Returns:
         ``(records, wall_s)``: one :class:`Record` per (query, mode), and the wall time of
@@ -158,7 +160,8 @@ def run_devices(model, tok, queries: list[Query], modes: list[str], cfg: DecodeC
             ident, tr = device_keys[d] if device_keys is not None else (identity, trust)
             links.append(CloudLink.connect(host, port, wan=prof, timeout_s=connect_timeout_s,
                                            identity=ident, trust=tr, insecure=insecure))
-        decoders = [Decoder(e, links[d] if links else None, fingerprint, rtt_ms=rtt, drafter=drafters[d])
+        decoders = [Decoder(e, links[d] if links else None, fingerprint, rtt_ms=rtt, drafter=drafters[d],
+                            split=split)
                     for d, e in enumerate(edges)]
         for mode in modes:
             done = [0]
@@ -235,6 +238,7 @@ def summarize(records: list[Record], wall: dict[str, float], tok, rtt_ms: float,
                     if common else stats.Estimate(None, 0, None, None))
         weights = [x.edge_weight_mean for x in res if x.edge_weight_mean is not None]
         drafters = sorted({x.drafter for x in res if x.drafter})
+        splits = sorted({x.split for x in res if x.split})
         rows.append({
             "mode": mode, "rtt_ms": rtt_ms, "devices": devices,
             "tokens_per_s": float(np.mean([x.tokens_per_s for x in res])),
@@ -254,6 +258,7 @@ def summarize(records: list[Record], wall: dict[str, float], tok, rtt_ms: float,
             "edge_weight_mean": float(np.mean(weights)) if weights else None,
             "prompts": len(recs),
             "drafter": ",".join(drafters) or None,
+            "split": ",".join(splits) or None,
             "agreement_n": agree.n, "agreement_ci95_low": agree.low, "agreement_ci95_high": agree.high,
             "gsm8k_n": gsm.n, "gsm8k_ci95_low": gsm.low, "gsm8k_ci95_high": gsm.high,
             "rouge_l_n": rl.n, "rouge_l_ci95_low": rl.low, "rouge_l_ci95_high": rl.high,

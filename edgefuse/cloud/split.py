@@ -173,12 +173,14 @@ def _part(body: nn.Module, lo: int, hi: int, *, embed: bool, norm: bool, model_t
     return part.eval()
 
 
-def split_model(model, k: int, m: int) -> SplitParts:
+def split_model(model, k: int, m: int, *, middle: bool = True) -> SplitParts:
     """Cut a causal LM into front / middle / back bodies sharing its parameters.
 
     Args:
         model: a causal LM of :data:`SUPPORTED` (``model.config.model_type``), eval mode.
         k: decoder layers of the front (>= 1); m: layers of the back (>= 0), ``k + m <= L-1``.
+        middle: False = no middle part (a device whose model was loaded without the middle
+            layers, :func:`edgefuse.models.load_model` ``layers=``).
     Returns:
         :class:`SplitParts` (parameters shared with ``model``: no copy).
     Raises:
@@ -203,7 +205,7 @@ def split_model(model, k: int, m: int) -> SplitParts:
     kw = dict(model_type=model_type)
     return SplitParts(
         front=_part(body, 0, k, embed=True, norm=False, **kw),
-        middle=_part(body, k, L - m, embed=False, norm=False, **kw),
+        middle=_part(body, k, L - m, embed=False, norm=False, **kw) if middle else None,
         back=_part(body, L - m, L, embed=False, norm=True, **kw),
         head=head_mod.weight, k=int(k), m=int(m), n_layers=L, hidden_size=D,
         vocab_size=int(head_mod.weight.shape[0]), model_type=model_type,

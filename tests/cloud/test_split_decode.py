@@ -19,7 +19,7 @@ from edgefuse.cloud import split as S
 from edgefuse.cloud import vocab as V
 from edgefuse.cloud.decoding import DecodeConfig, Decoder, EdgeLM, FullHeadDrafter
 from edgefuse.cloud.decoding.config import DecodeError
-from edgefuse.cloud.decoding.split import SplitDevice, SplitSettings
+from edgefuse.cloud.decoding.split import SplitDevice, SplitSettings, load_split_device
 from edgefuse.cloud.link import CloudLink
 from edgefuse.cloud.service import CloudService
 from edgefuse.cloud.split_target import SplitTarget
@@ -205,3 +205,25 @@ def test_split_settings_refuse_bad_values():
         SplitSettings(fill="guess")
     with pytest.raises(ValueError):
         SplitSettings(k=0)
+
+
+def test_the_device_loads_only_its_layers_and_computes_what_the_whole_model_does(tiny, tmp_path):
+    """``load_split_device`` on a model folder: the middle layers' weights are never read
+    (Identity in their place), and the device's front / back around the whole model's
+    middle give the whole model's logits."""
+    target, _, tok, _ = tiny
+    folder = tmp_path / "tiny-target"
+    target.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    dev = load_split_device(str(folder), SplitSettings(k=1, m=1, act="float16"))
+    assert dev.parts.middle is None
+    assert dev.parts.front.layers[0].self_attn.q_proj.weight.equal(target.model.layers[0].self_attn.q_proj.weight)
+    assert dev.parts.back.layers[0].mlp.up_proj.weight.equal(target.model.layers[3].mlp.up_proj.weight)
+    middle = S.split_model(target, 1, 1).middle
+    ds = S.DeviceSplit(dev.parts, S.SplitSpec(1, 1, None, "float16"))
+    ids = PROMPTS[0]
+    x = ds.front(ids)
+    y = middle(inputs_embeds=x.unsqueeze(0), position_ids=torch.arange(len(ids)).unsqueeze(0)).last_hidden_state[0]
+    with torch.no_grad():
+        full = target(torch.tensor([ids])).logits[0]
+    assert torch.allclose(ds.logits(ds.back(y)), full, atol=1e-5)

@@ -27,6 +27,8 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 
 from edgefuse.app.device import DeviceHome
 from edgefuse.cloud.decoding import DraftHead, DrafterSpec, auth_from_config, decode_config, drafter_spec
+from edgefuse.cloud.decoding.config import SPLIT_MODES
+from edgefuse.cloud.decoding.split import load_split_device, settings_from_config
 from edgefuse.cloud.devices import pruned_head, run_devices
 from edgefuse.cloud.target import tokenizer_fingerprint
 from edgefuse.privacy.audit import watch_canaries
@@ -100,13 +102,16 @@ def decode(msg: Message, context: Context, client) -> RecordDict:
     host, port, wan = str(conf["host"]), int(conf["port"]), WanProfile.from_name(str(c.wan))
     home = DeviceHome.of(context.node_config)  # this device's keys, whatever the server says
     keys = {"identity": home.identity(), "trust": home.trust()}
+    split = None
+    if set(map(str, c.modes)) & set(SPLIT_MODES):  # the target's first and last layers, here
+        split = load_split_device(str(c.model), settings_from_config(c.split), root=cfg.paths.cache_dir)
     threads = torch.get_num_threads()
     torch.set_num_threads(int(c.threads))
     try:
         records, wall = run_devices(
             model, tok, sent, list(c.modes), dcfg, host, port, wan, int(c.devices),
             tokenizer_fingerprint(tok), max_prompt_tokens=int(c.eval.max_prompt_tokens), head=head,
-            drafter=spec, **keys)
+            drafter=spec, split=split, **keys)
         n_live = int(cfg.privacy.probe.get("live_canaries", 0)) if cfg.get("privacy") and cfg.privacy.enabled else 0
         if n_live > 0:  # canaries through the live link: the audit scans these frames
             canaries = _canary_queries(cfg, n_live)

@@ -20,6 +20,7 @@ from edgefuse.app import messages as M
 from edgefuse.app.phases.base import Phase, PhaseContext
 from edgefuse.app.strategy import GroupedLoRA, NodeInfo
 from edgefuse.cloud.decoding import DecodeResult, check_config
+from edgefuse.cloud.decoding.config import SPLIT_MODES
 from edgefuse.cloud.devices import Record, summarize, table
 from edgefuse.config import ConfigError
 from edgefuse.eval.queries import dolly_eval_queries, load_gsm8k
@@ -109,7 +110,8 @@ class Decoding(Phase):
             threads=int(svc.threads), max_context=int(svc.max_context),
             log_path=out / "cloud_service.log", timeout_s=float(svc.start_timeout_s),
             cache_dir=cfg.paths.cache_dir, identity_path=identity_path,
-            authorized_path=authorized_path, **service_limits(svc))
+            authorized_path=authorized_path, **service_limits(svc),
+            split_policy=svc.get("split") if set(map(str, c.modes)) & set(SPLIT_MODES) else None)
         started = time.perf_counter() - t0
         try:
             log(INFO, "cloud: partition %d (%s) decodes %d prompts in %d modes with %d sessions over %s",

@@ -122,7 +122,7 @@ def check_config(cfg) -> None:
 
     Raises:
         ConfigError: a ``device_model`` no client runs, an unknown mode, WAN preset or
-            drafter, more ``devices`` than ``service.max_sessions``, a ``gamma_max`` (or fixed
+            drafter, a ``cloud.split`` out of range or one ``cloud.service.split`` refuses, more ``devices`` than ``service.max_sessions``, a ``gamma_max`` (or fixed
             ``gamma``) above ``service.max_draft``, or an out-of-range
             service or decoding setting; the message names the key.
     """
@@ -187,3 +187,20 @@ def check_config(cfg) -> None:
         drafter_spec(cloud)
     except DecodeError as e:
         raise ConfigError(str(e)) from None
+    if set(map(str, cloud.modes)) & set(SPLIT_MODES):
+        from edgefuse.cloud.decoding.split import settings_from_config
+
+        try:
+            settings = settings_from_config(cloud.get("split") or {})
+        except ValueError as e:
+            raise ConfigError(f"cloud.split: {e}") from None
+        policy = (cloud.service.get("split") or {}) if cloud.get("service") else {}
+        allowed = policy.get("allowed", "any")
+        if allowed != "any" and {"k": settings.k, "m": settings.m} not in [dict(a) for a in allowed]:
+            raise ConfigError(f"cloud.split k={settings.k}, m={settings.m} is not in "
+                              f"cloud.service.split.allowed: the service would refuse it")
+        if settings.head_split is not None and not policy.get("head_split", True):
+            raise ConfigError("cloud.split.head_split is set but cloud.service.split.head_split "
+                              "is false: the service would refuse it")
+        if settings.act not in list(policy.get("acts", P.SPLIT_ACTS)):
+            raise ConfigError(f"cloud.split.act {settings.act!r} is not in cloud.service.split.acts")

@@ -136,6 +136,7 @@ class Decoder:
             try:
                 if mode in SPLIT_MODES:
                     self._session = self.split.session(self.link, cfg.auth, cfg.timeout_s, cfg.seed)
+                    res.split = self.split.settings.label()
                     self._session.open(prompt)
                 else:
                     self._open(prompt, cfg)

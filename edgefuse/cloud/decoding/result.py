@@ -10,7 +10,8 @@ class DecodeResult:
     """One generation. Times in seconds, bytes as counted on the socket (length prefixes and
     AES-GCM framing included, handshake excluded), tokens = generated tokens. ``drafter``:
     the name of the drafter that proposed the drafts (``spec_sync`` / ``spec_async``; None
-    for the modes that draft nothing)."""
+    for the modes that draft nothing); ``split``: the split of ``split`` / ``split_spec``
+    (e.g. ``k2 m2 int8``, ``+ head 768 english``), None otherwise."""
     mode: str
     tokens: list[int]
     text: str = ""
@@ -28,6 +29,7 @@ class DecodeResult:
     edge_weight_mean: float | None = None
     fallback: str | None = None
     drafter: str | None = None
+    split: str | None = None
 
     @property
     def n(self) -> int:

@@ -77,6 +77,14 @@ class SplitSettings:
         mask = None if self.head_split is None else (self.mask or "full")
         return P.SplitRequest(self.k, self.m, self.head_split, self.act, mask)
 
+    def label(self) -> str:
+        """A short name for result rows: ``k2 m2 int8`` (``+ head 768 english top16``)."""
+        out = f"k{self.k} m{self.m} {self.act}"
+        if self.head_split is not None:
+            out += f" + head {self.head_split} {self.mask or 'full'}"
+            out += f" top{self.head_topk}" if self.head_topk else ""
+        return out
+
     def to_dict(self) -> dict:
         return {"k": self.k, "m": self.m, "head_split": self.head_split, "act": self.act,
                 "mask": self.mask, "head_topk": self.head_topk, "fill": self.fill}
@@ -221,23 +229,29 @@ class SplitDevice:
 
 
 def load_split_device(name: str, settings: SplitSettings, root=None, device: str = "cpu") -> SplitDevice:
-    """Load the target ``name`` (the cloud's model, from the local model cache), cut it at
-    ``settings`` and keep only the device's parts (front, back, head); the middle layers are
-    released. Raises ``ValueError`` for a split the model cannot take (named)."""
-    import gc
+    """Load the target ``name`` (the cloud's model, from the local model cache) with only
+    the layers the device runs (the first ``k``, the last ``m``, the embeddings, the final
+    norm and the head: the middle layers' weights are never read) and cut it at
+    ``settings``. Raises ``ValueError`` for a split the model cannot take (named)."""
+    from transformers import AutoConfig
 
     from edgefuse.cloud.target import tokenizer_fingerprint
-    from edgefuse.models import load_model
+    from edgefuse.models import get_spec, load_model, resolve_path
 
-    model, tok = load_model(name, root=root)
-    model.eval().requires_grad_(False)
+    spec = get_spec(name)
+    if spec.tiny:
+        from edgefuse.models import tiny_model
+
+        n_layers = int(tiny_model(spec.arch)[0].config.num_hidden_layers)
+    else:
+        n_layers = int(AutoConfig.from_pretrained(resolve_path(spec, root)).num_hidden_layers)
+    if settings.k + settings.m > n_layers - 1:
+        raise ValueError(f"cloud.split k={settings.k}, m={settings.m} leaves no middle layer of "
+                         f"{name}'s {n_layers}")
+    keep = list(range(settings.k)) + list(range(n_layers - settings.m, n_layers))
+    model, tok = load_model(name, root=root, device=device, layers=keep)
+    model.requires_grad_(False)
     cfg = model.config
     settings.spec(int(cfg.num_hidden_layers), int(cfg.hidden_size))
-    parts = S.free_unused(S.split_model(model, settings.k, settings.m), "device")
-    for i in range(settings.k, int(cfg.num_hidden_layers) - settings.m):
-        model.get_decoder().layers[i] = torch.nn.Identity()  # the middle: the cloud's
-    del model
-    gc.collect()
-    parts.front.to(device)
-    parts.back.to(device)
+    parts = S.free_unused(S.split_model(model, settings.k, settings.m, middle=False), "device")
     return SplitDevice(parts, settings, tok, tokenizer_fingerprint(tok))
