@@ -126,7 +126,8 @@ def run(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    modes = list(MODES) if args.mode == "all" else [args.mode]
+    # "all": every mode of the edge model; the split ones load the target's layers, asked by name
+    modes = [m for m in MODES if m not in SPLIT_MODES] if args.mode == "all" else [args.mode]
     paths = resolve_paths(data_mirror=getattr(args, "data_mirror", None),
                           cache_dir=getattr(args, "cache_dir", None))
     job = compose("default")  # the main job's settings: the privacy defaults, the corpus

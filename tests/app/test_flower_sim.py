@@ -128,7 +128,8 @@ def _check_decoding(res: dict, out: Path) -> None:
     """The same run's cloud phase: the tiny target served by its own process, the tiny-qwen2
     client decoding 2 GSM8K + 8 Dolly prompts in every mode with two concurrent sessions."""
     rows = {r["mode"]: r for r in res["decoding"]}
-    assert list(rows) == ["edge", "cloud", "spec_sync", "spec_async", "fusion_static", "fusion_adaptive"]
+    assert list(rows) == ["edge", "cloud", "spec_sync", "spec_async", "fusion_static", "fusion_adaptive",
+                          "split", "split_spec"]
     assert all(r["devices"] == 2 and r["prompts"] == 10 and r["fallbacks"] == 0 for r in rows.values())
     assert rows["cloud"]["round_trips_per_token"] == 1.0 and rows["cloud"]["acceptance_rate"] is None
     for m in ("spec_sync", "spec_async"):  # greedy speculative decoding is lossless
@@ -138,9 +139,17 @@ def _check_decoding(res: dict, out: Path) -> None:
         assert 0 < rows[m]["bytes_down_per_token"] < 1000 and rows[m]["bytes_up_per_token"] > 0
     assert rows["edge"]["bytes_up_per_token"] == 0 and rows["edge"]["round_trips_per_token"] == 0
     recs = res["decoding_records"]
-    assert len(recs) == 10 * 6
+    assert len(recs) == 10 * 8
     for m in rows:  # both sessions decoded in every mode...
         assert {r["device"] for r in recs if r["mode"] == m} == {0, 1}
+    # split inference (experiment=tiny: k = 1, m = 0, a split head at column 32 under the
+    # english mask; results.json keeps no token ids, the mask is tested in tests/cloud): a MID
+    # and a HEAD per round
+    for m in ("split", "split_spec"):
+        assert rows[m]["split"] == "k1 m0 int8 + head 32 english", rows[m]
+        assert rows[m]["bytes_up_per_token"] > 0 and rows[m]["bytes_down_per_token"] > 0
+    assert rows["split"]["round_trips_per_token"] >= 2.0  # MID + HEAD per token
+    assert all(r["split"] is None for m, r in rows.items() if m not in ("split", "split_spec"))
     svc = res["summary"]["cloud_service"]
     assert svc["max_batch_size"] >= 2 and svc["frames_rejected"] == 0  # ...at the same time
     for name in ("decoding.csv", "decoding.png", "cloud_service.log"):
@@ -232,7 +241,7 @@ def test_deployment_mode_with_real_supernode_processes(tmp_path):
     modes = res["config"]["cloud"]["modes"]
     dec = {r["mode"]: r for r in res["decoding"]}
     assert list(dec) == modes == ["edge", "cloud", "spec_sync", "spec_async", "fusion_static",
-                                  "fusion_adaptive"]
+                                  "fusion_adaptive", "split", "split_spec"]
     for m, r in dec.items():
         assert r["new_tokens"] > 0 and r["prompts"] == 10 and r["fallbacks"] == 0, (m, r)
         assert 0 <= r["agreement_with_target"] <= 1, (m, r)

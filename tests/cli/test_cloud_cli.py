@@ -22,6 +22,7 @@ from edgefuse.cloud.chat import _prompt_ids, load_edge
 from edgefuse.cloud.decoding import EdgeLM
 from edgefuse.cloud.protocol import CloudAuth
 from edgefuse.cloud.service import CloudService
+from edgefuse.cloud.split_target import SplitTarget
 from edgefuse.cloud.target import Target
 from edgefuse.models import load_model
 from tests.cli.test_cli_errors import cli, free_port
@@ -53,6 +54,7 @@ def target():
 def service(target):
     model, tok = target
     svc = CloudService(RecordingTarget(model, tok, "tiny-qwen2"), "127.0.0.1", 0, max_wait_ms=2,
+                       split=SplitTarget(model, tok, "tiny-qwen2", max_context=512, max_batch_tokens=512),
                        **service_keys())
     svc.start_in_thread()
     yield svc
@@ -91,6 +93,31 @@ def generate(*args, env=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "edgefuse.cli", "cloud", "generate", "--model", "tiny-qwen2",
                            "--threads", "1", *args], capture_output=True, text=True, timeout=600,
                           env={**os.environ, **(env or {})})
+
+
+@pytest.mark.parametrize("mode", ["split", "split_spec"])
+def test_split_modes_answer_as_the_target(service, target, adapter, mode):
+    """``--mode split|split_spec --target tiny-qwen2``: the device runs the target's first
+    layer and its head, the cloud the rest (float16 rows), and prints the target's greedy
+    answer; the figures name the round trips (split: one per token and one for the prompt's
+    prefill)."""
+    model, tok = target
+    res = generate("--mode", mode, "--protection", "off", "--adapter", adapter, "--prompt", PROMPT,
+                   "--max-new-tokens", str(N), "--gamma", "3", "--target", "tiny-qwen2", "--split-k", "1",
+                   "--split-m", "0", "--split-act", "float16", "--port", str(service.port))
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == greedy_text(model, tok, PROMPT) + "\n"
+    figures = dict(re.findall(r"^\[(\w+)\] (.*)$", res.stderr, re.M))
+    assert set(figures) == {mode}
+    if mode == "split_spec":
+        assert 0 < float(re.search(r"acceptance (\d\.\d\d)", figures[mode]).group(1)) < 1, figures
+
+
+def test_split_mode_with_a_split_the_target_cannot_take_is_one_line(service):
+    res = generate("--mode", "split", "--protection", "off", "--prompt", PROMPT, "--target", "tiny-qwen2",
+                   "--split-k", "2", "--split-m", "2", "--port", str(service.port))
+    assert res.returncode != 0 and "Traceback" not in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and "k" in res.stderr, res.stderr
 
 
 def test_every_mode_answers_as_its_reference(service, target, adapter):
