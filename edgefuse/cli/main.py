@@ -230,6 +230,8 @@ def _cloud(argv: list[str]) -> int:
                    help="with --head-split: the vocabulary the cloud scores; other tokens are never emitted")
     g.add_argument("--head-topk", type=int, default=0,
                    help="with --head-split: 0 = the whole mask 8-bit (default), k = its top-k")
+    g.add_argument("--stream-block", type=int, default=0,
+                   help="split modes: prompt rows per pipelined MID (default 0 = the whole prompt in one)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     g.add_argument("--device-dir", default=None,
                    help="the device home whose identity and pinned cloud key authenticate the link "

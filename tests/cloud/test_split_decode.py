@@ -227,3 +227,28 @@ def test_the_device_loads_only_its_layers_and_computes_what_the_whole_model_does
     with torch.no_grad():
         full = target(torch.tensor([ids])).logits[0]
     assert torch.allclose(ds.logits(ds.back(y)), full, atol=1e-5)
+
+
+@pytest.mark.parametrize("auth", [P.CloudAuth(), P.CloudAuth(False, None)])
+def test_streamed_prefill_in_blocks_gives_the_same_tokens(tiny, service, auth):
+    """``stream_block`` = 3: a 7-token prompt's rows go as MIDs of 3, 3 and 1 rows, the next
+    sent before the previous one's answer is read (each commits the one before it); the
+    output is the target's, with the cache kept or not (then each block re-sends the rows
+    before it)."""
+    target = tiny[0]
+    dec, link = decoder(tiny, service, SplitSettings(k=1, m=1, act="float16", stream_block=3))
+    with link:
+        up0 = link.bytes_up
+        res = dec.generate("split_spec", PROMPTS[0], DecodeConfig(max_new_tokens=N, auth=auth))
+        assert res.tokens == target_greedy(target, PROMPTS[0], N)
+        assert res.prefill_bytes_up > 0 and link.bytes_up > up0
+        sess = dec.split.session(link, auth, 10.0)
+        sess.open(PROMPTS[0])  # 6 prompt rows before the last token: blocks of 3 and 3
+        assert sess.mids == 2 and sess.ledger.committed == 3 and sess.ledger.pending == 3
+        assert sess.resent_rows == (0 if auth.flag_cache else 3)
+        with torch.no_grad():
+            full = target(torch.tensor([PROMPTS[0]])).logits[0, -1]
+        assert torch.allclose(sess.score(PROMPTS[0], [])[0], full, atol=1e-3)
+        sess.close()
+    with pytest.raises(ValueError, match="stream_block"):
+        SplitSettings(stream_block=-1)

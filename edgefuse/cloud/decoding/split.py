@@ -42,7 +42,8 @@ class SplitSettings:
     :data:`edgefuse.cloud.vocab.MASK_NAMES`, default ``full``); ``act``: activations on the
     link, ``int8`` (per-row scales) or ``float16``; ``head_topk``: 0 = the cloud returns the
     whole mask 8-bit, k = its top-k within the mask; ``fill``: what a mask token outside the
-    top-k gets (:func:`edgefuse.cloud.vocab.fuse_split_head`).
+    top-k gets (:func:`edgefuse.cloud.vocab.fuse_split_head`); ``stream_block``: prompt rows
+    per MID of a pipelined prefill (0 = the whole prompt in one MID).
 
     Raises ``ValueError`` for out-of-range values (the model's own bounds are checked by
     :meth:`spec` against its config)."""
@@ -53,6 +54,7 @@ class SplitSettings:
     mask: str | None = None
     head_topk: int = 0
     fill: str = "drop"
+    stream_block: int = 0
 
     def __post_init__(self):
         S.SplitSpec(self.k, self.m, self.head_split, self.act)  # types and ranges
@@ -64,6 +66,9 @@ class SplitSettings:
         if isinstance(self.head_topk, bool) or not isinstance(self.head_topk, int) \
                 or not 0 <= self.head_topk <= P.MAX_TOPK:
             raise ValueError(f"split head_topk must be in 0..{P.MAX_TOPK}, got {self.head_topk!r}")
+        if isinstance(self.stream_block, bool) or not isinstance(self.stream_block, int) \
+                or self.stream_block < 0:
+            raise ValueError(f"split stream_block must be an int >= 0, got {self.stream_block!r}")
         if self.fill not in FILLS:
             raise ValueError(f"split fill must be one of {', '.join(FILLS)}, got {self.fill!r}")
 
@@ -87,7 +92,8 @@ class SplitSettings:
 
     def to_dict(self) -> dict:
         return {"k": self.k, "m": self.m, "head_split": self.head_split, "act": self.act,
-                "mask": self.mask, "head_topk": self.head_topk, "fill": self.fill}
+                "mask": self.mask, "head_topk": self.head_topk, "fill": self.fill,
+                "stream_block": self.stream_block}
 
 
 def settings_from_config(node) -> SplitSettings:
@@ -96,7 +102,7 @@ def settings_from_config(node) -> SplitSettings:
     base = SplitSettings()
     get = node.get if hasattr(node, "get") else (lambda key, d=None: getattr(node, key, d))
     values = {}
-    for key in ("k", "m", "head_split", "act", "mask", "head_topk", "fill"):
+    for key in ("k", "m", "head_split", "act", "mask", "head_topk", "fill", "stream_block"):
         v = get(key, getattr(base, key))
         values[key] = v if v is None or isinstance(v, (bool, int, str)) else \
             (int(v) if float(v).is_integer() else v)
@@ -149,11 +155,26 @@ class SplitSession:
         self.link.open_split(self.settings.request(), self.fingerprint, auth=self.auth,
                              timeout_s=self.timeout_s)
         if len(prompt) > 1:
-            self.device.back(self._mid(0, self.device.front(prompt[:-1])))
+            self._prefill(list(prompt[:-1]))
 
-    def _mid(self, base_len: int, new: torch.Tensor) -> torch.Tensor:
-        """One MID: commit ``base_len`` rows, re-send what the window needs, send ``new``
-        (``[n, D]``, positions base_len ..); returns the middle's output ``[n, D]``."""
+    def _prefill(self, ids: list[int]) -> None:
+        """Prompt rows through the split. With ``settings.stream_block`` = B the rows go in
+        blocks of B, pipelined: the front of block j+1 runs while block j is in flight and the
+        back of block j while block j+1 is (each MID commits the block before it, which the
+        cloud answers in order); without it, one MID."""
+        block = self.settings.stream_block or len(ids)
+        pending = None  # the MID in flight
+        for start in range(0, len(ids), block):
+            sent = self._send_mid(start, self.device.front(ids[start:start + block]))
+            if pending is not None:
+                self.device.back(self._take_mid(*pending))  # while the next block is in flight
+            pending = sent
+        self.device.back(self._take_mid(*pending))
+
+    def _send_mid(self, base_len: int, new: torch.Tensor) -> tuple[P.Mid, int]:
+        """Send one MID: commit ``base_len`` rows, re-send what the window needs, then ``new``
+        (``[n, D]``, positions base_len ..). The ledger commits at once (the cloud answers in
+        order; an ERROR ends the session). Returns ``(msg, n)`` for :meth:`_take_mid`."""
         led, auth = self.ledger, self.auth
         led.apply(auth)
         led.check(base_len)
@@ -162,14 +183,24 @@ class SplitSession:
         rows = torch.cat([self.device.front_rows(start, start + c).float(), new.float()])
         n = int(new.shape[0])
         msg = P.Mid(self._next_req(), base_len, c, n, S.encode_acts(rows, self.spec.act), auth=auth)
-        reply = self.link.request(msg, timeout_s=self.timeout_s)
-        if not isinstance(reply, P.MidOut) or reply.req != msg.req or reply.n != n:
-            raise P.ProtocolError(f"expected MIDOUT for request {msg.req} with {n} rows, got {reply!r:.120}")
+        self.link.send(msg)
+        self.link.count_round_trip()
         led.commit(auth, base_len, n)
         self.mids += 1
         self.rows_sent += c + n
         self.resent_rows += c
+        return msg, n
+
+    def _take_mid(self, msg: P.Mid, n: int) -> torch.Tensor:
+        """The MIDOUT answering ``msg``: the middle's output ``[n, D]``."""
+        reply = self.link.recv(timeout_s=self.timeout_s)
+        if not isinstance(reply, P.MidOut) or reply.req != msg.req or reply.n != n:
+            raise P.ProtocolError(f"expected MIDOUT for request {msg.req} with {n} rows, got {reply!r:.120}")
         return S.decode_acts(reply.acts, n, self.parts.hidden_size, self.spec.act)
+
+    def _mid(self, base_len: int, new: torch.Tensor) -> torch.Tensor:
+        """One MID round trip (see :meth:`_send_mid`); returns the middle's output ``[n, D]``."""
+        return self._take_mid(*self._send_mid(base_len, new))
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """``float32 [n, V]`` logits of final hidden rows ``h [n, D]``: the whole head here,
