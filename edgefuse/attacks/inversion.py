@@ -6,6 +6,10 @@ to recover the prompt's tokens:
 
 * ``kv`` — a shared KV cache (C2C sharer → receiver), per layer, after the int8 wire codec;
 * ``hidden`` — hidden states after a layer, as split inference would send them;
+* ``split_acts`` — what the cloud of a split session receives (:mod:`edgefuse.cloud.split`):
+  the rows of the device's own front (after ``k`` layers) decoded from the exact bytes of the
+  activation codec; ``split_head`` — with a split head, the tail columns of the final
+  hidden state as HEAD carries them (:func:`split_features`);
 * ``logits_topk`` — the top-k next-token distribution at every position;
 * ``draft_tokens`` — the token ids the cloud sees (the prompt it prefills, drafted tokens):
   no learning needed, the ids *are* the text.
@@ -113,6 +117,55 @@ def hidden_features(hidden_states, layers: list[int]) -> dict[int, torch.Tensor]
     """``{layer: [T, d]}``: the hidden state *after* decoder layer ``layer`` (index ``layer +
     1`` of ``output_hidden_states``), what split inference at that layer would send."""
     return {i: hidden_states[i + 1][0].float() for i in layers}
+
+
+def wire_rows(x: torch.Tensor, act: str) -> tuple[bytes, torch.Tensor]:
+    """Rows ``x [n, D]`` as the split link carries them: ``(buf, seen)``, ``buf`` the bytes
+    :func:`edgefuse.cloud.split.encode_acts` produces and ``seen`` = ``decode_acts(buf)``
+    (float32 ``[n, D]``), what the receiver holds: for ``int8`` within ``scale_r / 2`` of
+    ``x`` per element. Raises ``ValueError`` as the codec does (unknown ``act``, NaN / inf)."""
+    from edgefuse.cloud.split import decode_acts, encode_acts
+
+    buf = encode_acts(x, act)
+    return buf, decode_acts(buf, int(x.shape[0]), int(x.shape[1]), act)
+
+
+@torch.no_grad()
+def split_features(parts: dict, ids: list[int], act: str, head_split: int | None = None
+                   ) -> tuple[dict[str, dict[int, bytes]], dict[str, dict[int, torch.Tensor]]]:
+    """What the cloud of a split session receives of one prompt ``ids``, per split point.
+
+    For each ``k`` of ``parts`` (``{k: SplitParts}`` from :func:`edgefuse.cloud.split.split_model`,
+    all cut with the same ``m``) a fresh :class:`~edgefuse.cloud.split.DeviceSplit` runs its
+    own ``front(ids)``; the rows go through the activation codec and the attacker's features
+    are the decoded rows (the MID payload: ``[T, D]``). With ``head_split`` ``s``, the
+    smallest ``k`` also runs the session to its HEAD: the middle (:func:`middle_forward`) on
+    the decoded rows, MIDOUT through the codec, the device's back, ``head_part`` → the tail
+    columns ``[T, D - s]`` of the final hidden state, through the codec (the HEAD payload).
+
+    Returns:
+        ``(payloads, features)``: ``{"split_acts": {k: bytes}, "split_head": {k: bytes}}``
+        and the same shape of float32 features (``split_head`` empty without a split head).
+
+    Raises:
+        ValueError: no ids, a split that does not fit a part, a HEAD without a middle part."""
+    from edgefuse.cloud.split import DeviceSplit, SplitSpec, middle_forward
+
+    pay: dict[str, dict[int, bytes]] = {"split_acts": {}, "split_head": {}}
+    feats: dict[str, dict[int, torch.Tensor]] = {"split_acts": {}, "split_head": {}}
+    for k in sorted(parts):
+        p = parts[k]
+        dev = DeviceSplit(p, SplitSpec(p.k, p.m, head_split, act))
+        buf, seen = wire_rows(dev.front(ids), act)
+        pay["split_acts"][k], feats["split_acts"][k] = buf, seen
+        if head_split is not None and k == min(parts):
+            if p.middle is None:
+                raise ValueError("split_features: a HEAD payload needs the middle part")
+            (mid,), _ = middle_forward(p.middle, [None], [0], [seen])
+            _, back_in = wire_rows(mid.float(), act)  # MIDOUT as the device decodes it
+            _, tail = dev.head_part(dev.back(back_in))
+            pay["split_head"][k], feats["split_head"][k] = wire_rows(tail.float(), act)
+    return pay, feats
 
 
 def topk_features(logits: torch.Tensor, k: int, embedding: torch.Tensor) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:

@@ -9,7 +9,13 @@ encoders, what would leave it:
 * ``hidden`` — hidden states after each attacked layer (split inference), float16;
 * ``logits_topk`` — the top-k next-token distribution per position (int32 ids ‖ f16 probs);
 * ``draft_tokens`` — the cloud protocol's OPEN (prompt ids) and a VERIFY of drafted ids;
-* ``adapter`` — the device's LoRA adapter bytes (when given).
+* ``adapter`` — the device's LoRA adapter bytes (when given);
+* ``split_acts`` / ``split_head`` (only with ``probe.split.ks``) — what the cloud of a split
+  session receives: the device front's rows after ``k`` layers as the activation codec
+  sends them (MID), and with ``probe.split.head_split`` the tail columns of the final hidden
+  state (HEAD), each decoded from the exact bytes :func:`edgefuse.cloud.split.encode_acts`
+  produces (:func:`edgefuse.attacks.inversion.split_features`). The probe splits the model
+  it is given; ``bench/bench_split_privacy.py`` gives it the cloud's target.
 
 Each payload passes an :class:`~edgefuse.privacy.audit.OutboundAudit` that counts canary
 hits, and an inversion attacker trained on public Dolly prompts (raw) tries to recover the
@@ -19,7 +25,7 @@ protected the same way.
 
 Rows follow the ``results.json`` ``privacy`` schema: ``{"payload", "protection",
 "canary_hits", "attacker_token_acc", "attacker_exact_match", "task_acc"}`` (+ ``layer``,
-the layer that leaked most, and ``payloads``/``bytes``).
+the layer that leaked most, and ``payloads``/``bytes``; split rows also ``k`` and ``act``).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from edgefuse.attacks.inversion import (
     RidgeInverter,
     hidden_features,
     kv_features,
+    split_features,
     token_accuracy,
     topk_features,
 )
@@ -43,6 +50,52 @@ from edgefuse.privacy.canaries import load_canary_prompts
 from edgefuse.privacy.protect import PROTECTION_NAMES
 
 PAYLOADS = ("kv", "hidden", "logits_topk", "draft_tokens", "adapter")
+SPLIT_PAYLOADS = ("split_acts", "split_head")  # only with privacy.probe.split.ks
+
+
+@dataclass
+class SplitProbe:
+    """The split points the probe attacks: ``parts`` ``{k: SplitParts}`` of the probed model
+    (cut with ``m`` back layers, sharing its weights), the link's ``act`` encoding and the
+    split head's ``head_split`` (None: no HEAD payload)."""
+    parts: dict
+    m: int
+    act: str
+    head_split: int | None
+
+    @property
+    def ks(self) -> list[int]:
+        return sorted(self.parts)
+
+    @property
+    def payloads(self) -> tuple[str, ...]:
+        return SPLIT_PAYLOADS if self.head_split is not None else SPLIT_PAYLOADS[:1]
+
+
+def split_probe(model, split_cfg) -> SplitProbe | None:
+    """The :class:`SplitProbe` of ``privacy.probe.split`` (``ks``, ``m``, ``act``,
+    ``head_split``) on ``model``; None when ``ks`` is empty or the node is absent.
+
+    Raises:
+        ValueError: a ``k`` outside the model (``k >= 1`` and ``k + m <= L - 1``: the cloud
+            keeps at least one layer), a ``head_split`` outside ``1..D-1``, an unknown
+            ``act``, or a model :func:`edgefuse.cloud.split.split_model` cannot cut (named)."""
+    from edgefuse.cloud.split import SplitSpec, split_model
+
+    get = split_cfg.get if split_cfg is not None else (lambda key, d=None: d)
+    ks = [] if get("ks") is None else list(get("ks"))
+    if not ks:
+        return None
+    m, act, s = get("m", 0), str(get("act", "int8")), get("head_split")
+    L, D = int(model.config.num_hidden_layers), int(model.config.hidden_size)
+    for k in ks:
+        try:
+            SplitSpec(k, m, s, act).check(L, D)
+        except ValueError as e:
+            raise ValueError(f"privacy.probe.split: k={k!r:.20} does not fit the probed model "
+                             f"({L} layers, hidden size {D}): {e}") from None
+    parts = {int(k): split_model(model, int(k), int(m)) for k in dict.fromkeys(ks)}
+    return SplitProbe(parts, int(m), act, None if s is None else int(s))
 
 
 @dataclass
@@ -85,8 +138,10 @@ def resolve_layers(spec, n_layers: int) -> list[int]:
 
 
 @torch.no_grad()
-def _observe(model, tok, text: str, layers: list[int], topk: int, max_tokens: int):
-    """Prefill ``text`` (no template: the private user text itself) and build every payload.
+def _observe(model, tok, text: str, layers: list[int], topk: int, max_tokens: int,
+             split: SplitProbe | None = None):
+    """Prefill ``text`` (no template: the private user text itself) and build every payload
+    (with ``split``, also the split payloads: features keyed ``(payload, k)``).
 
     Returns ``(ids, payload bytes per type, attacker features per (payload, layer))``."""
     from edgefuse.cloud import protocol as P
@@ -113,18 +168,24 @@ def _observe(model, tok, text: str, layers: list[int], topk: int, max_tokens: in
         "logits_topk": top_ids.astype(">i4").tobytes() + top_p.tobytes(),
         "draft_tokens": P.encode(P.Open(list(ids), "probe")) + P.encode(P.Verify(1, len(ids), [int(draft)])),
     }
+    if split is not None:
+        sp_bytes, sp_feats = split_features(split.parts, ids, split.act, split.head_split)
+        for payload in split.payloads:
+            payloads[payload] = b"".join(sp_bytes[payload][k] for k in sorted(sp_bytes[payload]))
+            feats.update({(payload, k): f for k, f in sp_feats[payload].items()})
     return ids, payloads, feats
 
 
 def train_attackers(model, tok, texts: list[str], layers: list[int], topk: int, ridge: float,
-                    max_tokens: int = 64, progress=None) -> dict[tuple[str, int], RidgeInverter]:
-    """One :class:`RidgeInverter` per (payload, layer), fitted on the payloads of ``texts``
-    (public prompts the attacker owns)."""
+                    max_tokens: int = 64, progress=None, split: SplitProbe | None = None
+                    ) -> dict[tuple[str, int], RidgeInverter]:
+    """One :class:`RidgeInverter` per (payload, layer) — per (payload, k) for the split
+    payloads — fitted on the payloads of ``texts`` (public prompts the attacker owns)."""
     emb = model.get_input_embeddings().weight
     feats: dict[tuple[str, int], list[torch.Tensor]] = {}
     ids_all: list[int] = []
     for n, t in enumerate(texts):
-        ids, _, f = _observe(model, tok, t, layers, topk, max_tokens)
+        ids, _, f = _observe(model, tok, t, layers, topk, max_tokens, split)
         ids_all.extend(ids)
         for key, v in f.items():
             feats.setdefault(key, []).append(v)
@@ -158,8 +219,9 @@ def run_probe(model, tok, privacy_cfg, mirror, data_cfg, seed: int, adapter: byt
 
     Args:
         privacy_cfg: the ``privacy`` config: ``probe.*`` (``canaries``, ``modes``,
-            ``attack_train_prompts``, ``attack_layers``, ``ridge``, ``task_n``, ``topk``),
-            ``redact.*`` and ``rephrase.max_new_tokens``. With ``redact.known_identities``
+            ``attack_train_prompts``, ``attack_layers``, ``ridge``, ``task_n``, ``topk``, and
+            ``split``: ``ks`` (split points attacked; empty = no split rows), ``m``, ``act``,
+            ``head_split``), ``redact.*`` and ``rephrase.max_new_tokens``. With ``redact.known_identities``
             the redactor also knows the canary identities (the device's own private values).
         mirror: the data mirror folder (``pii/`` and ``mmlu/``).
         data_cfg: the ``data`` config: the attacker trains on the instructions of the first
@@ -174,8 +236,9 @@ def run_probe(model, tok, privacy_cfg, mirror, data_cfg, seed: int, adapter: byt
         A :class:`ProbeResult`.
 
     Raises:
-        ValueError: an unknown protection mode or layer, or more attacker-training prompts
-            than the ``attack_train`` slice holds; FileNotFoundError: no mirror.
+        ValueError: an unknown protection mode or layer, a split point outside the model
+            (:func:`split_probe`), or more attacker-training prompts than the
+            ``attack_train`` slice holds; FileNotFoundError: no mirror.
     """
     from edgefuse.eval.queries import load_mmlu
     from edgefuse.eval.splits import public_slices
@@ -188,6 +251,7 @@ def run_probe(model, tok, privacy_cfg, mirror, data_cfg, seed: int, adapter: byt
     n_layers = int(model.config.num_hidden_layers)
     layers = resolve_layers(list(pcfg.attack_layers), n_layers)
     topk = int(pcfg.topk)
+    split = split_probe(model, pcfg.get("split"))  # refuses a k outside the model before any work
     res = ProbeResult()
     t0 = time.perf_counter()
     prompts = load_canary_prompts(mirror, int(pcfg.canaries), seed)
@@ -231,7 +295,8 @@ def run_probe(model, tok, privacy_cfg, mirror, data_cfg, seed: int, adapter: byt
                          f"attack_train slice holds ({len(pool)}, data.public_slices.attack_train)")
     train = [r["instruction"] for r in pool[:n_train]]
     attackers = train_attackers(model, tok, train, layers, topk, float(pcfg.ridge),
-                                progress=(lambda d, n: progress("attack-train", d, n)) if progress else None)
+                                progress=(lambda d, n: progress("attack-train", d, n)) if progress else None,
+                                split=split)
     res.seconds["attack_train"] = time.perf_counter() - t0
 
     queries = load_mmlu(mirror, int(pcfg.task_n), seed) if int(pcfg.task_n) > 0 else []
@@ -244,7 +309,7 @@ def run_probe(model, tok, privacy_cfg, mirror, data_cfg, seed: int, adapter: byt
         exact: dict[tuple[str, int], list[int]] = {}
         audit.snapshot(reset=True)
         for raw, text in zip(raw_ids, texts):
-            ids, payloads, feats = _observe(model, tok, text, layers, topk, 64)
+            ids, payloads, feats = _observe(model, tok, text, layers, topk, 64, split)
             audit.outbound("prompt_text", text.encode("utf-8"))
             for kind, data in payloads.items():
                 audit.outbound(kind, data)
@@ -269,10 +334,13 @@ def run_probe(model, tok, privacy_cfg, mirror, data_cfg, seed: int, adapter: byt
             task = est.proportion(_mmlu_outcomes(model, tok, queries, stems))
         for key in acc:
             payload, layer = key
-            res.layers.append({"payload": payload, "layer": layer, "protection": mode,
-                               "attacker_token_acc": float(np.mean(acc[key])),
-                               "attacker_exact_match": float(np.mean(exact[key]))})
-        for payload in PAYLOADS:
+            entry = {"payload": payload, "layer": layer, "protection": mode,
+                     "attacker_token_acc": float(np.mean(acc[key])),
+                     "attacker_exact_match": float(np.mean(exact[key]))}
+            if payload in SPLIT_PAYLOADS:
+                entry.update(_split_entry(key, acc[key], exact[key], split))
+            res.layers.append(entry)
+        for payload in PAYLOADS + (split.payloads if split else ()):
             keys = [k for k in acc if k[0] == payload]
             st = stats.get(payload, {})
             row = {"payload": payload, "protection": mode,
@@ -289,12 +357,29 @@ def run_probe(model, tok, privacy_cfg, mirror, data_cfg, seed: int, adapter: byt
                 row.update(est.bootstrap_mean_interval(acc[best]).to_dict("attacker_token_acc"))
                 row.update(attacker_exact_match=float(np.mean(exact[best])),
                            layer=None if best[1] < 0 else int(best[1]))
+                if payload in SPLIT_PAYLOADS:
+                    at = _split_entry(best, [], [], split)["layer"]
+                    row.update(layer=None if at < 0 else at, k=int(best[1]), act=split.act)
             res.rows.append(row)
         res.seconds[mode] = time.perf_counter() - t1
         if progress:
             progress("protections", modes.index(mode) + 1, len(modes))
     res.seconds["total"] = time.perf_counter() - t0
     return res
+
+
+def _split_entry(key: tuple[str, int], acc: list[float], exact: list[int], split: SplitProbe) -> dict:
+    """The split fields of a per-layer entry: ``layer`` = ``k - 1`` for ``split_acts`` (the
+    device's last layer, numbered like ``hidden``), -1 for ``split_head`` (the final hidden
+    state); ``k``, ``act``, ``m``, ``head_split``; with scores, their ``n`` and 95 % intervals
+    (bootstrap for token accuracy, Wilson for exact match)."""
+    payload, k = key
+    out = {"layer": k - 1 if payload == "split_acts" else -1, "k": int(k), "m": split.m,
+           "act": split.act, "head_split": split.head_split if payload == "split_head" else None}
+    if acc:
+        out.update(est.bootstrap_mean_interval(acc).to_dict("attacker_token_acc"))
+        out.update(est.proportion(exact).to_dict("attacker_exact_match"))
+    return out
 
 
 def default_protector(model, tok, redactor=None, max_new_tokens: int = 96, attempts: int = 3):
@@ -314,8 +399,9 @@ def check_config(cfg) -> None:
     """Check ``privacy.probe`` at compose time (nothing when ``privacy.enabled`` is false).
 
     Raises:
-        ConfigError: an unknown probe protection or layer, a non-positive probe count, or
-            more attacker-training prompts than ``data.public_slices.attack_train``.
+        ConfigError: an unknown probe protection or layer, a non-positive probe count, a
+            bad ``privacy.probe.split`` (the model's own bounds are :func:`split_probe`'s),
+            or more attacker-training prompts than ``data.public_slices.attack_train``.
     """
     from edgefuse.config import ConfigError, positive_int
 
@@ -341,7 +427,30 @@ def check_config(cfg) -> None:
             raise ConfigError(f"privacy.probe.{key} must be an integer >= 0, got {v!r}")
     if not (isinstance(p.get("ridge"), (int, float)) and p.ridge >= 0):
         raise ConfigError(f"privacy.probe.ridge must be a number >= 0, got {p.get('ridge')!r}")
+    _check_split_config(p.get("split"))
     bad = [x for x in p.attack_layers if isinstance(x, float) and not 0.0 <= x <= 1.0]
     if bad or not p.attack_layers:
         raise ConfigError(f"privacy.probe.attack_layers: layer indices or fractions in [0, 1], got "
                           f"{list(p.attack_layers)}")
+
+
+def _check_split_config(node) -> None:
+    """``privacy.probe.split``: ``ks`` a list of ints >= 1, ``m`` an int >= 0, ``act`` one of
+    :data:`edgefuse.cloud.split.ACTS`, ``head_split`` null or an int >= 1. Raises
+    ``ConfigError`` naming the key."""
+    from edgefuse.cloud.split import ACTS
+    from edgefuse.config import ConfigError
+
+    if node is None:
+        return
+    is_int = (lambda v: isinstance(v, int) and not isinstance(v, bool))
+    ks = node.get("ks")
+    if ks is None or isinstance(ks, (str, int)) or not all(is_int(k) and k >= 1 for k in ks):
+        raise ConfigError(f"privacy.probe.split.ks must be a list of split points (ints >= 1), got {ks!r:.60}")
+    if not (is_int(node.get("m", 0)) and node.get("m", 0) >= 0):
+        raise ConfigError(f"privacy.probe.split.m must be an integer >= 0, got {node.get('m')!r:.30}")
+    if str(node.get("act", "int8")) not in ACTS:
+        raise ConfigError(f"privacy.probe.split.act must be one of {', '.join(ACTS)}, got {node.get('act')!r:.30}")
+    s = node.get("head_split")
+    if s is not None and not (is_int(s) and s >= 1):
+        raise ConfigError(f"privacy.probe.split.head_split must be null or an integer >= 1, got {s!r:.30}")

@@ -42,7 +42,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 PAYLOADS = ("kv", "draft_tokens", "logits_topk", "hidden", "adapter", "prompt_text", "answer_text",
-            "metadata", "control", "sealed")
+            "metadata", "control", "sealed", "split_acts", "split_head")
+"""Outbound payload types (the live link audits split MID / HEAD frames as ``hidden``; the
+privacy probe's split payloads are ``split_acts`` / ``split_head``)."""
 HIT_FIELDS = ("message_type", "canary_kind", "how", "field")
 """What a recorded hit says (each a name, never the canary's value)."""
 
