@@ -4,9 +4,10 @@ pipelined speculative decoding side by side at two RTTs.
 Starts the cloud LLM service (``edgefuse cloud serve``, its own process) with the target
 (Qwen2.5-Coder-1.5B) and a split policy that allows any cut (``split_policy={"allowed":
 "any"}``), loads here the device's draft (Qwen2.5-Coder-0.5B with the 32k-token pruned head,
-as ``bench/bench_cloud.py``) and the target's device layers
-(:func:`edgefuse.cloud.decoding.split.load_split_device`: embeddings, the first ``k`` and the
-last ``m`` layers, the final norm and the head; the middle's weights are never read here),
+as ``bench/bench_cloud.py``) and the target's device layers (embeddings, the first ``k`` and
+the last ``m`` layers, the final norm and the head, cut as
+:func:`edgefuse.cloud.decoding.split.load_split_device` cuts them, one load shared by the
+cuts; the middle's weights are never read here),
 and decodes the same prompts (GSM8K test + held-out public Dolly rows, loaded as the
 decoding phase loads them) through real sockets and the encrypted link, one device, greedy:
 
@@ -60,7 +61,7 @@ from edgefuse.app.device import DeviceHome, keys_root  # noqa: E402
 from edgefuse.app.phases.decoding import load_queries  # noqa: E402
 from edgefuse.cloud import vocab as V  # noqa: E402
 from edgefuse.cloud.decoding import DRAFTERS, DecodeConfig, DrafterSpec  # noqa: E402
-from edgefuse.cloud.decoding.split import SplitDevice, SplitSettings, load_split_device  # noqa: E402
+from edgefuse.cloud.decoding.split import SplitDevice, SplitSettings  # noqa: E402
 from edgefuse.cloud.devices import agreement, pruned_head, run_devices, summarize, table  # noqa: E402
 from edgefuse.cloud.link import cloud_health  # noqa: E402
 from edgefuse.cloud.service import start_service_process, stop_service_process  # noqa: E402
@@ -149,6 +150,32 @@ def tiny_target(folder: Path, n_layers: int = 10) -> str:
     AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
     tok.save_pretrained(folder)
     return str(folder)
+
+
+def load_cuts(name: str, kms) -> dict[tuple[int, int], SplitDevice]:
+    """One :class:`SplitDevice` per cut ``(k, m)`` of the target ``name``, all sharing one
+    partial load of it: the embeddings, the first ``max k`` and last ``max m`` decoder
+    layers, the final norm and the head (the other layers' weights are never read), cut by
+    :func:`edgefuse.cloud.split.split_model` as
+    :func:`edgefuse.cloud.decoding.split.load_split_device` cuts it (which, once per cut,
+    would hold the 1.5B's 1.9 GB of embeddings and head three times). Raises ``ValueError``
+    for a cut the model cannot take."""
+    from edgefuse.cloud import split as S
+    from edgefuse.models import model_config
+
+    kms = list(dict.fromkeys(tuple(km) for km in kms))
+    L = int(model_config(name).num_hidden_layers)
+    big_k, big_m = max(k for k, _ in kms), max(m for _, m in kms)
+    model, tok = load_model(name, layers=sorted(set(range(big_k)) | set(range(L - big_m, L))))
+    model.requires_grad_(False)
+    fp, D = tokenizer_fingerprint(tok), int(model.config.hidden_size)
+    out = {}
+    for k, m in kms:
+        settings = SplitSettings(k=k, m=m)
+        settings.spec(L, D)
+        out[(k, m)] = SplitDevice(S.free_unused(S.split_model(model, k, m, middle=False), "device"),
+                                  settings, tok, fp)
+    return out
 
 
 def wan_for(rtt: float, bandwidth_mbps: float) -> tuple[WanProfile, str | None]:
@@ -372,17 +399,15 @@ def main(argv=None) -> int:
                 if spec.name == "pruned_head" else None)
         fp = tokenizer_fingerprint(tok)
         dcfg = DecodeConfig(max_new_tokens=args.max_new_tokens, timeout_s=600)
-        devices: dict[tuple[int, int], SplitDevice] = {}  # the device's target layers per cut
+        cuts = load_cuts(args.target_model, args.kms + [args.default_km])  # the device's target layers
         done: list = []  # (Record, rtt) of this run: the cloud references of later points
 
         def split_device(km: tuple[int, int], extra: dict) -> SplitDevice:
-            if km not in devices:
-                devices[km] = load_split_device(args.target_model, SplitSettings(k=km[0], m=km[1]))
-            base = devices[km]
+            base = cuts[km]
             extra = dict(extra)
             if extra.get("head_split") == "half":  # the split head: D / 2 columns on each side
                 extra["head_split"] = base.parts.hidden_size // 2
-            # the cut's layers are loaded once and shared by its variants
+            # the cut's parts are shared by its variants
             return SplitDevice(base.parts, SplitSettings(k=km[0], m=km[1], **extra), base.tok, base.fingerprint)
 
         for p in points:
