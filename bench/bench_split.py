@@ -108,7 +108,7 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--budget-min", type=float, default=None,
                    help="skip (and list) every point that would end past this many minutes "
-                        "from the start, judged by the longest point of its mode so far")
+                        "from the start, judged by the longest point of its kind so far")
     p.add_argument("--mirror", default=None,
                    help="data mirror (default: $EDGEFUSE_DATA_MIRROR, else ../shared/data, else the hub)")
     p.add_argument("--quick", action="store_true",
@@ -355,7 +355,7 @@ def main(argv=None) -> int:
     device_keys = [(home.identity(), home.trust())]
     points = plan(args)
     rows, records, skipped, errors = [], [], [], []
-    durations: dict[str, float] = {}
+    durations: dict[tuple[str, bool], float] = {}  # the longest point of each kind so far (s)
     result = {}
 
     def write(final: bool = False) -> None:
@@ -412,7 +412,8 @@ def main(argv=None) -> int:
 
         for p in points:
             name = _label(p)
-            est = durations.get(p["mode"], max(durations.values(), default=0.0))
+            kind = (p["mode"], p["variant"].startswith("head_"))  # a split head adds a round trip
+            est = durations.get(kind, max(durations.values(), default=0.0))
             if deadline is not None and time.perf_counter() + est > deadline:
                 skipped.append({"point": name, "rtt_ms": p["rtt_ms"], "mode": p["mode"],
                                 "km": None if p["km"] is None else list(p["km"]), "variant": p["variant"],
@@ -438,7 +439,7 @@ def main(argv=None) -> int:
                 write()
                 continue
             dt = time.perf_counter() - t0
-            durations[p["mode"]] = max(durations.get(p["mode"], 0.0), dt)
+            durations[kind] = max(durations.get(kind, 0.0), dt)
             km = None if p["km"] is None else list(p["km"])
             ref = [] if p["mode"] == "cloud" else \
                 [r for r in done if r[1] == p["rtt_ms"] and r[0].mode == "cloud"]
