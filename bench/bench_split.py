@@ -64,12 +64,12 @@ from edgefuse.cloud.decoding import DRAFTERS, DecodeConfig, DrafterSpec  # noqa:
 from edgefuse.cloud.decoding.split import SplitDevice, SplitSettings  # noqa: E402
 from edgefuse.cloud.devices import agreement, pruned_head, run_devices, summarize, table  # noqa: E402
 from edgefuse.cloud.link import cloud_health  # noqa: E402
-from edgefuse.cloud.service import start_service_process, stop_service_process  # noqa: E402
+from edgefuse.cloud.service import ServiceStartError, start_service_process, stop_service_process  # noqa: E402
 from edgefuse.cloud.target import tokenizer_fingerprint  # noqa: E402
 from edgefuse.config import compose, resolve_paths  # noqa: E402
 from edgefuse.eval import stats  # noqa: E402
 from edgefuse.io import atomic_write_json  # noqa: E402
-from edgefuse.models import load_model  # noqa: E402
+from edgefuse.models import ModelFetchError, ModelSpecError, load_model  # noqa: E402
 from edgefuse.transport.identity import provision  # noqa: E402
 from edgefuse.transport.wan import PRESETS, WanProfile  # noqa: E402
 
@@ -234,9 +234,12 @@ def _find(rows: list[dict], rtt: float, mode: str, km=None, variant: str = "main
 
 
 def ratios(rows: list[dict], rtts: list[float], kms: list[tuple[int, int]]) -> dict:
-    """tokens/s ratios per RTT and cut, each None unless both rows were measured."""
-    def q(a, b):
-        return a["tokens_per_s"] / b["tokens_per_s"] if a and b and b["tokens_per_s"] else None
+    """tokens/s ratios per RTT and cut, each None unless both rows were measured without an
+    edge-only fallback."""
+    def q(a, b):  # a row with an edge-only fallback measured something else: no ratio
+        if not a or not b or a["fallbacks"] or b["fallbacks"] or not b["tokens_per_s"]:
+            return None
+        return a["tokens_per_s"] / b["tokens_per_s"]
 
     out = {}
     for rtt in rtts:
@@ -390,16 +393,20 @@ def main(argv=None) -> int:
 
     proc = None
     try:
-        proc, port = start_service_process(args.target_model, max_batch=args.max_batch,
-                                           max_wait_ms=args.max_wait_ms, threads=args.threads,
-                                           log_path=log_path, timeout_s=900,
-                                           split_policy={"allowed": "any"})
-        model, tok = load_model(args.edge_model)
-        head = (pruned_head(model, tok, cfg.data, int(cfg.seed), spec.head_size)
-                if spec.name == "pruned_head" else None)
+        try:
+            proc, port = start_service_process(args.target_model, max_batch=args.max_batch,
+                                               max_wait_ms=args.max_wait_ms, threads=args.threads,
+                                               log_path=log_path, timeout_s=900,
+                                               split_policy={"allowed": "any"})
+            model, tok = load_model(args.edge_model)
+            head = (pruned_head(model, tok, cfg.data, int(cfg.seed), spec.head_size)
+                    if spec.name == "pruned_head" else None)
+            cuts = load_cuts(args.target_model, args.kms + [args.default_km])  # the device's target layers
+        except (ServiceStartError, ModelSpecError, ModelFetchError, OSError, ValueError) as e:
+            print(f"bench_split: {type(e).__name__}: {' | '.join(str(e).splitlines()[:3])}", file=sys.stderr)
+            return 1
         fp = tokenizer_fingerprint(tok)
         dcfg = DecodeConfig(max_new_tokens=args.max_new_tokens, timeout_s=600)
-        cuts = load_cuts(args.target_model, args.kms + [args.default_km])  # the device's target layers
         done: list = []  # (Record, rtt) of this run: the cloud references of later points
 
         def split_device(km: tuple[int, int], extra: dict) -> SplitDevice:
