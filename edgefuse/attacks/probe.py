@@ -88,6 +88,13 @@ def split_probe(model, split_cfg) -> SplitProbe | None:
         return None
     m, act, s = get("m", 0), str(get("act", "int8")), get("head_split")
     L, D = int(model.config.num_hidden_layers), int(model.config.hidden_size)
+    try:
+        SplitSpec(1, m, s, act)  # the types, m, act and head_split >= 1
+    except ValueError as e:
+        raise ValueError(f"privacy.probe.split: {e}") from None
+    if s is not None and not s <= D - 1:
+        raise ValueError(f"privacy.probe.split.head_split={s} outside 1..{D - 1} (the probed "
+                         f"model's hidden size is {D})")
     for k in ks:
         try:
             SplitSpec(k, m, s, act).check(L, D)
@@ -248,10 +255,10 @@ def run_probe(model, tok, privacy_cfg, mirror, data_cfg, seed: int, adapter: byt
     bad = sorted({m for m in modes if m not in PROTECTION_NAMES})
     if bad:
         raise ValueError(f"unknown protection modes {bad}; choose from {', '.join(PROTECTION_NAMES)}")
+    split = split_probe(model, pcfg.get("split"))  # refuses a k outside the model before any work
     n_layers = int(model.config.num_hidden_layers)
     layers = resolve_layers(list(pcfg.attack_layers), n_layers)
     topk = int(pcfg.topk)
-    split = split_probe(model, pcfg.get("split"))  # refuses a k outside the model before any work
     res = ProbeResult()
     t0 = time.perf_counter()
     prompts = load_canary_prompts(mirror, int(pcfg.canaries), seed)

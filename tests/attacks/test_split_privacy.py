@@ -125,8 +125,10 @@ def test_a_split_point_outside_the_model_is_refused(qwen, gemma):
         split_probe(model, split_cfg([1], m=1))
     with pytest.raises(ValueError, match="k=0"):
         split_probe(model, split_cfg([0]))
-    with pytest.raises(ValueError, match="head_split"):
+    with pytest.raises(ValueError, match=r"head_split=64 outside 1\.\.63"):
         split_probe(model, split_cfg([1], head_split=64))  # = D: nothing left for the cloud
+    with pytest.raises(ValueError, match="head_split"):
+        split_probe(model, split_cfg([1], head_split=0))
     with pytest.raises(ValueError, match="act"):
         split_probe(model, split_cfg([1], act="int4"))
     g, _ = gemma
