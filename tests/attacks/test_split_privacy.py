@@ -234,3 +234,36 @@ def test_run_probe_split_rows_per_k_and_protection(gemma, mirror):
     assert acc[1] >= 0.4 and acc[1] > acc[2] > acc[4], acc  # deeper splits leak less
     assert all(red[k] <= acc[k] - 0.04 for k in acc), (acc, red)
     assert 0.1 <= entries[("split_head", 1, "none")]["attacker_token_acc"] < acc[1]
+
+
+def test_the_bench_writes_per_k_rows_and_refuses_a_split_the_target_cannot_take(mirror, tmp_path, capsys):
+    import importlib.util
+    import json
+
+    from tests.conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("bench_split_privacy_under_test",
+                                                  ROOT / "bench" / "bench_split_privacy.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "b.json"
+    assert bench.main(["--quick", "--mirror", str(mirror), "--modes", "none", "rephrase", "--threads", "1",
+                       "--head-split", "16", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert (res["model"], res["ks"], res["m"], res["head_split"], res["act"]) == ("tiny-llama", [1, 2], 0, 16, "int8")
+    got = {(r["payload"], r["k"], r["protection"]): r for r in res["split"]}
+    assert sorted(got) == sorted([("split_acts", k, m) for k in (1, 2) for m in ("none", "rephrase")]
+                                 + [("split_head", 1, m) for m in ("none", "rephrase")])
+    for (payload, k, mode), r in got.items():
+        assert r["attacker_token_acc_n"] == res["canaries"] == 8
+        assert r["attacker_token_acc_ci95_low"] <= r["attacker_token_acc"] <= r["attacker_token_acc_ci95_high"]
+        if payload == "split_acts":  # the float16 hidden attack of the same layer, beside it
+            assert r["hidden_float16_token_acc"] is not None and r["literature_token_acc"] == bench.LITERATURE.get(k)
+    # a random-weight rephraser keeps next to nothing of the raw prompt
+    assert got[("split_acts", 1, "rephrase")]["attacker_token_acc"] < got[("split_acts", 1, "none")]["attacker_token_acc"] - 0.5
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    capsys.readouterr()
+    assert bench.main(["--quick", "--mirror", str(mirror), "--ks", "1", "3", "--out", str(tmp_path / "c.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "k=3 does not fit the probed model (3 layers" in err[0], err
+    assert not (tmp_path / "c.json").exists()
