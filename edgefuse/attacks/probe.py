@@ -42,6 +42,7 @@ from edgefuse.attacks.inversion import (
     kv_features,
     split_features,
     token_accuracy,
+    unit_rows,
     topk_features,
 )
 from edgefuse.eval import stats as est
@@ -199,7 +200,8 @@ def train_attackers(model, tok, texts: list[str], layers: list[int], topk: int, 
         if progress:
             progress(n + 1, len(texts))
     y = torch.tensor(ids_all)
-    return {key: RidgeInverter(emb, ridge).fit(torch.cat(v), y) for key, v in feats.items()}
+    unit = unit_rows(emb)  # one cosine decoder shared by every attacker
+    return {key: RidgeInverter(emb, ridge, unit).fit(torch.cat(v), y) for key, v in feats.items()}
 
 
 def _mmlu_outcomes(model, tok, queries, stems: list[str]) -> list[float]:
