@@ -924,15 +924,23 @@ class CloudService:
         if sess.conn.current is None or sess.conn.current is sess:
             sess.conn.frame_limit = None
 
-    def _split_single(self, item: _Item) -> None:
-        """Run one HEAD or MASK of a split session (worker) and answer it."""
+    def _ready(self, item: _Item) -> bool:
+        """Whether ``item``'s session can run it (worker); if not, it is answered here: nothing
+        for a closed session, ERROR protocol for one whose OPEN failed."""
         sess = item.sess
         if sess.closed:
             self._reply(item, None)
-            return
+            return False
         if sess.target is None:  # its OPEN failed
             self._count("protocol_errors")
             self._reply(item, P.Error("protocol", "no open session (OPEN failed)"))
+            return False
+        return True
+
+    def _split_single(self, item: _Item) -> None:
+        """Run one HEAD or MASK of a split session (worker) and answer it."""
+        sess = item.sess
+        if not self._ready(item):
             return
         from edgefuse.cloud.target import SessionError
 
@@ -956,12 +964,7 @@ class CloudService:
     def _authorize(self, item: _Item) -> None:
         """Apply an AUTH (evicting at once), then answer AUTHED with the tokens held."""
         sess = item.sess
-        if sess.closed:
-            self._reply(item, None)
-            return
-        if sess.target is None:  # its OPEN failed
-            self._count("protocol_errors")
-            self._reply(item, P.Error("protocol", "no open session (OPEN failed)"))
+        if not self._ready(item):
             return
         from edgefuse.cloud.target import SessionError
 

@@ -53,7 +53,7 @@ import torch
 from edgefuse.cloud import protocol as P
 from edgefuse.cloud import split as S
 from edgefuse.cloud import vocab as V
-from edgefuse.cloud.target import MIN_BATCH_TOKENS, SessionError, _fed, tokenizer_fingerprint
+from edgefuse.cloud.target import MIN_BATCH_TOKENS, SessionError, _fed, pack_rows, tokenizer_fingerprint
 from edgefuse.transport.crypto import FRAME_OVERHEAD
 
 
@@ -435,17 +435,8 @@ class SplitTarget:
             by_split.setdefault(p.group, []).append(j)
         groups: list[list[int]] = []
         for js in by_split.values():
-            cur: list[int] = []
-            longest = 0
-            for j in js:
-                n = plans[j].inputs.shape[0]
-                if cur and _fed(len(cur) + 1, max(longest, n), self.min_block_rows) > self.max_batch_tokens:
-                    groups.append(cur)
-                    cur, longest = [], 0
-                cur.append(j)
-                longest = max(longest, n)
-            if cur:
-                groups.append(cur)
+            groups += pack_rows(js, [plans[j].inputs.shape[0] for j in js], self.min_block_rows,
+                                self.max_batch_tokens)
         for g in groups:
             fed = _fed(len(g), max(plans[j].inputs.shape[0] for j in g), self.min_block_rows)
             self.forwards += 1

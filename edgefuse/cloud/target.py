@@ -144,6 +144,24 @@ def _fed(bsz: int, longest: int, min_rows: int) -> int:
     return bsz * -(-_rows(bsz * longest, min_rows) // bsz)
 
 
+def pack_rows(keys: list, lens: list[int], min_rows: int, max_tokens: int) -> list[list]:
+    """``keys`` (one per sequence, ``lens`` new rows each) in consecutive groups whose padded
+    :func:`batched_forward` feeds at most ``max_tokens`` token rows (:func:`_fed`); a
+    sequence that alone exceeds it gets a group of its own (callers refuse those first)."""
+    groups: list[list] = []
+    cur: list = []
+    longest = 0
+    for key, n in zip(keys, lens):
+        if cur and _fed(len(cur) + 1, max(longest, n), min_rows) > max_tokens:
+            groups.append(cur)
+            cur, longest = [], 0
+        cur.append(key)
+        longest = max(longest, n)
+    if cur:
+        groups.append(cur)
+    return groups
+
+
 @torch.no_grad()
 def batched_forward(model, per: list, pasts: list[int], inputs: list, pad_id: int,
                     min_rows: int = 1, output: str = "logits", offsets: list[int] | None = None):
@@ -533,17 +551,7 @@ class Target:
         """Split the main rows (plan indices ``main``, ``lens`` new ids each) into
         consecutive groups whose padded forward feeds at most ``max_batch_tokens`` token rows
         (each row alone fits: :meth:`_prepare` refused any that does not); counts them."""
-        groups: list[list[int]] = []
-        cur: list[int] = []
-        longest = 0
-        for b, n in zip(main, lens):
-            if cur and _fed(len(cur) + 1, max(longest, n), self.min_block_rows) > self.max_batch_tokens:
-                groups.append(cur)
-                cur, longest = [], 0
-            cur.append(b)
-            longest = max(longest, n)
-        if cur:
-            groups.append(cur)
+        groups = pack_rows(main, lens, self.min_block_rows, self.max_batch_tokens)
         for g in groups:
             self._count_forward(_fed(len(g), max(lens[main.index(b)] for b in g), self.min_block_rows))
         return groups

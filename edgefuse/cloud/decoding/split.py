@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from edgefuse.cloud import protocol as P
