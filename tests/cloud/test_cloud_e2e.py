@@ -13,6 +13,9 @@ from edgefuse.cloud.decoding import MODES, DecodeConfig, Decoder, DrafterSpec, E
 from edgefuse.cloud.devices import prompt_ids, run_devices, summarize
 from edgefuse.cloud.fusion import FusionConfig
 from edgefuse.cloud.link import CloudLink
+from edgefuse.cloud import split as S
+from edgefuse.cloud.decoding.split import SplitDevice, SplitSettings
+from edgefuse.cloud.split_target import SplitTarget
 from edgefuse.cloud.target import tokenizer_fingerprint
 from edgefuse.eval.queries import Query
 from edgefuse.models import tiny_model
@@ -23,7 +26,8 @@ from tests.cloud.conftest import device_keys, perturbed_copy, target_greedy
 @pytest.fixture
 def service(start_service):
     target, tok = tiny_model("qwen2", seed=1)
-    return start_service(target, tok, max_batch=8, max_wait_ms=20), target, tok
+    split = SplitTarget(target, tok, "tiny-target", max_context=2048, max_batch_tokens=8192)
+    return start_service(target, tok, max_batch=8, max_wait_ms=20, split=split), target, tok
 
 
 def _edge(tok):
@@ -38,11 +42,19 @@ def test_two_devices_in_every_mode_through_the_service(service):
     model, _ = tiny_model("qwen2", seed=0)
     queries = [Query(qid=f"dolly/{i}", kind="dolly", instruction=f"tell me about item {i}", context="",
                      choices=None, answer=None, reference="an item", category="c") for i in range(4)]
+    # split modes: the target's first layer and head on the devices (shared), float16 rows
+    settings = SplitSettings(k=1, m=0, act="float16")
+    split = SplitDevice(S.free_unused(S.split_model(target, 1, 0), "device"), settings, tok,
+                        svc.target.fingerprint)
     recs, wall = run_devices(model, tok, queries, list(MODES), DecodeConfig(max_new_tokens=6),
                              "127.0.0.1", svc.port, WanProfile(5.0, 100.0), 2, svc.target.fingerprint,
-                             max_prompt_tokens=64, device_keys=[tuple(device_keys(p).values()) for p in (0, 1)])
+                             max_prompt_tokens=64, device_keys=[tuple(device_keys(p).values()) for p in (0, 1)],
+                             split=split)
     rows = {r["mode"]: r for r in summarize(recs, wall, tok, 5.0, 2, greedy=True)}
     assert set(rows) == set(MODES) and len(recs) == 4 * len(MODES)
+    assert all(r["fallbacks"] == 0 for r in rows.values())
+    assert rows["split"]["split"] == rows["split_spec"]["split"] == "k1 m0 float16"
+    assert svc.stats()["split_sessions_total"] == 2 * 4
     assert rows["spec_sync"]["identical_to_target"] and rows["spec_async"]["identical_to_target"]
     assert svc.stats()["max_batch_size"] >= 2
     deadline = time.monotonic() + 5  # the worker frees closed sessions right after the last reply
