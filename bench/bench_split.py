@@ -32,6 +32,7 @@ cloud``, ``spec_async / split_spec``, tokens/s) and the issue's target: ``split_
 
     python bench/bench_split.py                      # ~30 min on 2 cores
     python bench/bench_split.py --budget-min 28      # stop cleanly before a point would pass 28 min
+    python bench/bench_split.py --resume             # run only the points the JSON lacks
     python bench/bench_split.py --quick              # a 10-layer tiny Qwen2, < 1 min: the pipeline
 
 Both processes run torch with one thread (``--threads``): device and cloud as one core each.
@@ -62,7 +63,8 @@ from edgefuse.app.phases.decoding import load_queries  # noqa: E402
 from edgefuse.cloud import vocab as V  # noqa: E402
 from edgefuse.cloud.decoding import DRAFTERS, DecodeConfig, DrafterSpec  # noqa: E402
 from edgefuse.cloud.decoding.split import SplitDevice, SplitSettings  # noqa: E402
-from edgefuse.cloud.devices import agreement, pruned_head, run_devices, summarize, table  # noqa: E402
+from edgefuse.cloud.decoding.result import DecodeResult  # noqa: E402
+from edgefuse.cloud.devices import Record, agreement, pruned_head, run_devices, summarize, table  # noqa: E402
 from edgefuse.cloud.link import cloud_health  # noqa: E402
 from edgefuse.cloud.service import ServiceStartError, start_service_process, stop_service_process  # noqa: E402
 from edgefuse.cloud.target import tokenizer_fingerprint  # noqa: E402
@@ -111,6 +113,9 @@ def parse_args(argv=None):
                         "from the start, judged by the longest point of its kind so far")
     p.add_argument("--mirror", default=None,
                    help="data mirror (default: $EDGEFUSE_DATA_MIRROR, else ../shared/data, else the hub)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the points of the existing --out JSON (same models, prompts and "
+                        "length) and run only the ones it lacks")
     p.add_argument("--quick", action="store_true",
                    help="a 10-layer random tiny Qwen2 (target and draft), 1 prompt, 8 tokens")
     p.add_argument("--out", default=None,
@@ -338,7 +343,7 @@ def main(argv=None) -> int:
         print(f"bench_split: {e}", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
-    t_start = time.perf_counter()
+    t_start, load0 = time.perf_counter(), list(os.getloadavg())
     deadline = None if args.budget_min is None else t_start + 60 * args.budget_min
     cfg = compose("default")
     resolve_paths(cfg, data_mirror=args.mirror)
@@ -349,6 +354,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     log_path = out.with_name(out.stem + "_service.log")
+    names = ("tiny (10 layers)",) * 2 if args.quick else (args.edge_model, args.target_model)  # as recorded
     tmp = None
     if args.quick:
         tmp = Path(tempfile.mkdtemp(prefix="bench-split-"))
@@ -358,6 +364,17 @@ def main(argv=None) -> int:
     device_keys = [(home.identity(), home.trust())]
     points = plan(args)
     rows, records, skipped, errors = [], [], [], []
+    if args.resume and out.is_file():
+        import json
+
+        old = json.loads(out.read_text())
+        same = {"prompts": [q.qid for q in queries], "max_new_tokens": args.max_new_tokens,
+                "edge_model": names[0], "target_model": names[1], "drafter": spec.name}
+        differ = [k for k, v in same.items() if old.get(k) != v]
+        if differ:
+            print(f"bench_split: --resume: {out} was run with another {', '.join(differ)}", file=sys.stderr)
+            return 2
+        rows, records = list(old.get("rows", [])), list(old.get("records", []))
     durations: dict[tuple[str, bool], float] = {}  # the longest point of each kind so far (s)
     result = {}
 
@@ -366,8 +383,7 @@ def main(argv=None) -> int:
         hi = max(args.rtts)
         head_rows = [r for r in rows if r.get("variant", "").startswith("head_")]
         result.update({
-            "edge_model": "tiny (10 layers)" if args.quick else args.edge_model,
-            "target_model": "tiny (10 layers)" if args.quick else args.target_model,
+            "edge_model": names[0], "target_model": names[1],
             "quick": args.quick, "threads": args.threads, "devices": 1, "greedy": True,
             "drafter": spec.name, "draft_head": spec.head_size if spec.name == "pruned_head" else None,
             "prompts": [q.qid for q in queries], "max_new_tokens": args.max_new_tokens,
@@ -385,6 +401,7 @@ def main(argv=None) -> int:
             "skipped": skipped, "errors": errors, "records": records,
             "complete": final and not skipped and not errors,
             "wall_seconds": time.perf_counter() - t_start,
+            "load_avg_start": load0, "load_avg_now": list(os.getloadavg()),  # other work on the machine
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                         "ram_gb": psutil.virtual_memory().total / 2**30, "torch": torch.__version__},
             "command": "python bench/bench_split.py " + " ".join(sys.argv[1:] if argv is None else argv),
@@ -407,7 +424,12 @@ def main(argv=None) -> int:
             return 1
         fp = tokenizer_fingerprint(tok)
         dcfg = DecodeConfig(max_new_tokens=args.max_new_tokens, timeout_s=600)
-        done: list = []  # (Record, rtt) of this run: the cloud references of later points
+        # (Record, rtt): the cloud references of later points (a resumed run's too)
+        done = [(Record(r["qid"], r["kind"], r["mode"], r["device"], DecodeResult.from_dict(r), r["reference"]),
+                 r["rtt_ms"]) for r in records if r["mode"] == "cloud"]
+        for r in rows:
+            kind = (r["mode"], r.get("variant", "main").startswith("head_"))
+            durations[kind] = max(durations.get(kind, 0.0), r.get("point_wall_s") or 0.0)
 
         def split_device(km: tuple[int, int], extra: dict) -> SplitDevice:
             base = cuts[km]
@@ -419,6 +441,8 @@ def main(argv=None) -> int:
 
         for p in points:
             name = _label(p)
+            if _find(rows, p["rtt_ms"], p["mode"], p["km"], p["variant"]):
+                continue  # kept from the resumed run
             kind = (p["mode"], p["variant"].startswith("head_"))  # a split head adds a round trip
             est = durations.get(kind, max(durations.values(), default=0.0))
             if deadline is not None and time.perf_counter() + est > deadline:
