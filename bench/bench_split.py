@@ -13,11 +13,16 @@ decoding phase loads them) through real sockets and the encrypted link, one devi
 
 * per RTT (the WAN presets ``wan80`` then ``wan20``): ``cloud`` (remote autoregressive, one
   VERIFY per token: the unsplit model's output, the reference), then ``split`` and
-  ``split_spec`` at each ``k = m`` in ``--kms`` (default 1 1, 2 2, 4 4), then ``spec_async``;
+  ``split_spec`` (pipelined) at each ``k = m`` in ``--kms`` (default 1 1, 2 2, 4 4), then
+  ``spec_async``, then ``split_spec`` with its synchronous loop at the default cut (variant
+  ``sync``: what the pipelining adds);
 * then, at the highest RTT and the default cut (``--default-km``, 2 2): ``split`` with float16
-  activations (against the int8 row: what the activation codec costs in agreement) and with
+  activations (against the int8 row: what the activation codec costs in agreement), with the
+  prefill streamed in blocks of 32 rows (against one MID: the prefill seconds per prompt,
+  paired), and with
   a split head (``head_split = D/2``, the ``english`` mask, the whole mask 8-bit and its
-  top-64): the head's downlink bytes per token. Its agreement per position, teacher
+  top-64; the ``corpus`` mask, the public corpus's 32k most frequent tokens sent once as a
+  bitmap, whole): the head's downlink bytes per token. Its agreement per position, teacher
   forced, is ``bench/bench_split_head.py``'s; here it is the free-running agreement.
 
 Per point: tokens/s, ms/token, round trips, bytes up/down per token (socket bytes, framing
@@ -27,8 +32,8 @@ agreement with the ``cloud`` tokens of the same prompt at the same RTT
 service's counters over the point, prefill included (``split_jobs``, ``split_batches``, ``split_bytes_in`` /
 ``_out``, ``split_head_jobs``, ``split_rebuild_rows``, from the authenticated health probe).
 Then the ratios at each RTT (``split_spec / split``, ``split / cloud``, ``split_spec /
-cloud``, ``spec_async / split_spec``, tokens/s) and the issue's target: ``split_spec`` >=
-1.4x ``split`` at 80 ms. A ratio or target whose rows were not measured is ``None``.
+cloud``, ``spec_async / split_spec``, ``split_spec`` sync ``/ split``, pipelined / sync;
+tokens/s) and the issue's target: ``split_spec`` >= 1.4x ``split`` at 80 ms. A ratio or target whose rows were not measured is ``None``.
 
     python bench/bench_split.py                      # ~30 min on 2 cores
     python bench/bench_split.py --budget-min 28      # stop cleanly before a point would pass 28 min
@@ -44,6 +49,7 @@ beside it (``--quick``: ``bench_split_quick.*``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import shutil
@@ -62,9 +68,10 @@ from edgefuse.app.device import DeviceHome, keys_root  # noqa: E402
 from edgefuse.app.phases.decoding import load_queries  # noqa: E402
 from edgefuse.cloud import vocab as V  # noqa: E402
 from edgefuse.cloud.decoding import DRAFTERS, DecodeConfig, DrafterSpec  # noqa: E402
-from edgefuse.cloud.decoding.split import SplitDevice, SplitSettings  # noqa: E402
+from edgefuse.cloud.decoding.split import SplitDevice, SplitSettings, session_mask  # noqa: E402
 from edgefuse.cloud.decoding.result import DecodeResult  # noqa: E402
-from edgefuse.cloud.devices import Record, agreement, pruned_head, run_devices, summarize, table  # noqa: E402
+from edgefuse.cloud.devices import (Record, agreement, pruned_head, run_devices, summarize, table,  # noqa: E402
+                                    with_corpus_mask)
 from edgefuse.cloud.link import cloud_health  # noqa: E402
 from edgefuse.cloud.service import ServiceStartError, start_service_process, stop_service_process  # noqa: E402
 from edgefuse.cloud.target import tokenizer_fingerprint  # noqa: E402
@@ -82,6 +89,7 @@ COUNTERS = ("split_jobs", "split_batches", "split_head_jobs", "split_mask_jobs",
             "jobs", "batches", "bytes_in", "bytes_out")
 HEAD_TOPKS = (0, 64)  # the split head's downlink: the whole mask 8-bit, its top-64
 HEAD_MASK = "english"
+STREAM_BLOCK = 32  # prompt rows per MID of the streamed-prefill row
 
 
 def parse_args(argv=None):
@@ -195,7 +203,8 @@ def wan_for(rtt: float, bandwidth_mbps: float) -> tuple[WanProfile, str | None]:
 def plan(args) -> list[dict]:
     """The points in run order: ``{"rtt_ms", "mode", "km", "variant", "settings"}``
     (``settings``: None for the unsplit modes, else :class:`SplitSettings` fields beyond the
-    cut; ``head_split: "half"`` = D / 2)."""
+    cut; ``head_split: "half"`` = D / 2; ``decode``, where present: :class:`DecodeConfig`
+    fields of the point)."""
     out = []
     hi = max(args.rtts)
     dk, dm = args.default_km
@@ -205,13 +214,22 @@ def plan(args) -> list[dict]:
             for mode in ("split", "split_spec"):
                 out.append(dict(rtt_ms=rtt, mode=mode, km=(k, m), variant="main", settings={}))
         out.append(dict(rtt_ms=rtt, mode="spec_async", km=None, variant="main", settings=None))
+        # the control of the pipelining: split_spec's synchronous loop at the default cut
+        out.append(dict(rtt_ms=rtt, mode="split_spec", km=(dk, dm), variant="sync", settings={},
+                        decode={"split_pipeline": False}))
     if not args.no_extras:  # after every main row: a budget leaves these out first
         out.append(dict(rtt_ms=hi, mode="split", km=(dk, dm), variant="act_float16",
                         settings={"act": "float16"}))
+        # streamed prefill (block j+1's front while block j is in flight) against one MID
+        out.append(dict(rtt_ms=hi, mode="split", km=(dk, dm), variant=f"stream{STREAM_BLOCK}",
+                        settings={"stream_block": STREAM_BLOCK}))
         for topk in HEAD_TOPKS:
             out.append(dict(rtt_ms=hi, mode="split", km=(dk, dm),
                             variant=f"head_{HEAD_MASK}_{'whole' if topk == 0 else f'top{topk}'}",
                             settings={"head_split": "half", "mask": HEAD_MASK, "head_topk": topk}))
+        # the public corpus's 32k most frequent tokens, sent once as an explicit mask
+        out.append(dict(rtt_ms=hi, mode="split", km=(dk, dm), variant="head_corpus_whole",
+                        settings={"head_split": "half", "mask": "corpus", "head_topk": 0}))
     return out
 
 
@@ -251,10 +269,12 @@ def ratios(rows: list[dict], rtts: list[float], kms: list[tuple[int, int]]) -> d
         cloud, sa = _find(rows, rtt, "cloud"), _find(rows, rtt, "spec_async")
         for km in kms:
             sp, ss = _find(rows, rtt, "split", km), _find(rows, rtt, "split_spec", km)
+            sync = _find(rows, rtt, "split_spec", km, "sync")
             out[f"{rtt:g}ms k{km[0]} m{km[1]}"] = {
                 "rtt_ms": rtt, "km": list(km),
                 "split_spec_over_split": q(ss, sp), "split_over_cloud": q(sp, cloud),
-                "split_spec_over_cloud": q(ss, cloud), "spec_async_over_split_spec": q(sa, ss)}
+                "split_spec_over_cloud": q(ss, cloud), "spec_async_over_split_spec": q(sa, ss),
+                "split_spec_sync_over_split": q(sync, sp), "pipelined_over_sync": q(ss, sync)}
     return out
 
 
@@ -286,6 +306,25 @@ def act_agreement(records: list[dict], rtt: float, km) -> dict | None:
         return None
     est = stats.bootstrap_mean_interval([agreement(pick["act_float16"][q], pick["main"][q]) for q in common])
     return {"rtt_ms": rtt, "km": km, **est.to_dict("float16_vs_int8_agreement")}
+
+
+def stream_prefill(records: list[dict], rtt: float, km) -> dict | None:
+    """Streamed against one-MID prefill at one cut (``split`` rows): per prompt, the prefill
+    seconds of each and their paired difference (stream − one MID, bootstrap 95 %
+    interval); None if either row is missing."""
+    km = list(km)
+    pick = {}
+    for v in ("main", f"stream{STREAM_BLOCK}"):
+        pick[v] = {r["qid"]: r["prefill_s"] for r in records if r["rtt_ms"] == rtt and r["mode"] == "split"
+                   and r.get("km") == km and r.get("variant") == v}
+    common = sorted(set(pick["main"]) & set(pick[f"stream{STREAM_BLOCK}"]))
+    if not common:
+        return None
+    one, streamed = [pick["main"][q] for q in common], [pick[f"stream{STREAM_BLOCK}"][q] for q in common]
+    return {"rtt_ms": rtt, "km": km, "stream_block": STREAM_BLOCK, "n": len(common),
+            "one_mid_s": one, "streamed_s": streamed,
+            "one_mid_mean_s": sum(one) / len(one), "streamed_mean_s": sum(streamed) / len(streamed),
+            **stats.paired_difference(streamed, one).to_dict("streamed_minus_one_mid_s")}
 
 
 def plot(result: dict, path: Path) -> Path:
@@ -391,6 +430,7 @@ def main(argv=None) -> int:
             "split_policy": {"allowed": "any"}, "max_batch": args.max_batch, "max_wait_ms": args.max_wait_ms,
             "rows": rows, "ratios": ratio, "targets": check_targets(ratio, args.kms, args.default_km),
             "act_agreement": act_agreement(records, hi, args.default_km),
+            "stream_prefill": stream_prefill(records, hi, args.default_km),
             "split_head": {
                 "mask": HEAD_MASK, "head_split": head_rows[0]["split_head_split"] if head_rows else None,
                 "rows": [{k: r.get(k) for k in ("variant", "split", "bytes_down_per_token", "bytes_up_per_token",
@@ -437,7 +477,8 @@ def main(argv=None) -> int:
             if extra.get("head_split") == "half":  # the split head: D / 2 columns on each side
                 extra["head_split"] = base.parts.hidden_size // 2
             # the cut's parts are shared by its variants
-            return SplitDevice(base.parts, SplitSettings(k=km[0], m=km[1], **extra), base.tok, base.fingerprint)
+            return with_corpus_mask(SplitDevice(base.parts, SplitSettings(k=km[0], m=km[1], **extra), base.tok,
+                                                base.fingerprint), cfg.data, int(cfg.seed))
 
         for p in points:
             name = _label(p)
@@ -461,7 +502,8 @@ def main(argv=None) -> int:
             try:
                 split = split_device(p["km"], p["settings"]) if p["settings"] is not None else None
                 before = _counters("127.0.0.1", port, proc.health_token)
-                recs, wall = run_devices(model, tok, queries, [p["mode"]], dcfg, "127.0.0.1", port, wan, 1, fp,
+                pcfg = dataclasses.replace(dcfg, **p.get("decode", {}))
+                recs, wall = run_devices(model, tok, queries, [p["mode"]], pcfg, "127.0.0.1", port, wan, 1, fp,
                                          head=head, drafter=spec, device_keys=device_keys, split=split)
                 service = _diff(_counters("127.0.0.1", port, proc.health_token), before)
             except Exception as exc:  # one failed point is recorded; the others still run
@@ -481,9 +523,11 @@ def main(argv=None) -> int:
                 "point_wall_s": dt, "service": service,
                 "prefill_bytes_up_per_prompt": sum(r.result.prefill_bytes_up for r in recs) / len(recs),
                 "prefill_bytes_down_per_prompt": sum(r.result.prefill_bytes_down for r in recs) / len(recs),
+                "prefill_s_per_prompt": sum(r.result.prefill_s for r in recs) / len(recs),
+                "prefill_s": [r.result.prefill_s for r in recs],
             })
             if split is not None and split.settings.head_split is not None:
-                size = int(V.vocab_mask(split.tok, split.settings.mask, vocab_size=split.parts.vocab_size).size)
+                size = int(session_mask(split.settings, split.tok, split.parts.vocab_size, split.mask_ids).size)
                 d = V.downlink_per_token(size, split.settings.head_topk, split.parts.vocab_size)
                 row.update({"split_head_split": split.settings.head_split, "split_mask_size": size,
                             "codec_bytes_per_token": d["bytes"], "full_8bit_logits_bytes_per_token": d["full_bytes"]})
@@ -511,6 +555,10 @@ def main(argv=None) -> int:
     if result.get("act_agreement"):
         a = result["act_agreement"]
         print(f"float16 vs int8 (split, k{a['km'][0]} m{a['km'][1]}): agreement {a['float16_vs_int8_agreement']}")
+    if result.get("stream_prefill"):
+        a = result["stream_prefill"]
+        print(f"prefill (split, k{a['km'][0]} m{a['km'][1]}): one MID {a['one_mid_mean_s']:.2f} s, streamed in "
+              f"blocks of {a['stream_block']} {a['streamed_mean_s']:.2f} s per prompt (n = {a['n']})")
     if skipped or errors:
         print(f"skipped {len(skipped)} point(s), {len(errors)} error(s): see the JSON")
     print(f"wrote {out}" + (f" and {png}" if png else ""))

@@ -11,7 +11,10 @@ forced on the unsplit continuation):
 
 * ``unsplit_8bit``: full 8-bit logits over V (the reference downlink, ``V + 4`` bytes);
 * ``split_exact``: split head, float32 partial logits, no mask (a sanity row: ~1.0);
-* ``<mask>_8bit``: the mask's whole subset 8-bit (``full``, ``english``, ``ascii``);
+* ``<mask>_8bit``: the mask's whole subset 8-bit (``full``, ``english``, ``ascii``, and
+  ``corpus<N>``: an explicit mask of the N most frequent tokens of the public draft corpus,
+  the ids the pruned draft head keeps, sent once per session as a bitmap of ``ceil(V/8)``
+  bytes, reported beside the per-token bytes);
 * ``<mask>_top<k>_<fill>``: its top-k within the mask (k = 16, 64), unsent mask tokens filled
   with the row's smallest value (``bound``) or left out (``drop``).
 
@@ -69,6 +72,8 @@ def parse_args(argv=None):
     p.add_argument("--max-prompt-tokens", type=int, default=512)
     p.add_argument("--head-split", type=int, default=None, help="device's head columns s (default D/2)")
     p.add_argument("--masks", nargs="+", default=["full", "english", "ascii"], choices=Vb.MASK_NAMES)
+    p.add_argument("--corpus-masks", type=int, nargs="*", default=[16384, 32768], metavar="N",
+                   help="explicit masks of the N most frequent tokens of the public draft corpus")
     p.add_argument("--ks", type=int, nargs="+", default=[16, 64])
     p.add_argument("--synthetic-rows", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)
@@ -172,6 +177,8 @@ def summarize(table, outcomes: dict, masks: dict[str, np.ndarray], V: int, s: in
                "full_8bit_bytes_per_token": full, "downlink_ratio": b / full,
                "socket_ratio": (b + MESSAGE_OVERHEAD) / (full + MESSAGE_OVERHEAD),
                "uplink_head_bytes_per_token": acts_nbytes(1, D - s, "int8") if mask else 0}
+        if mask is not None and mask.startswith("corpus"):
+            row["mask_bitmap_bytes_per_session"] = Vb.bitmap_nbytes(V)  # the explicit mask, once
         if mask is not None:
             row["outside_mask"] = float(np.mean(o["outside"]))
             # the codec's and the fill's cost alone: positions whose unsplit argmax is in the mask
@@ -236,7 +243,16 @@ def main(argv=None) -> int:
         return 2
     softcap = getattr(model.config, "final_logit_softcapping", None)
     masks = {m: Vb.vocab_mask(tok, m, vocab_size=V) for m in args.masks}
-    table = variants(args.masks, args.ks)
+    if args.corpus_masks:
+        from edgefuse.cloud.decoding.drafters import frequent_token_ids
+        from edgefuse.cloud.devices import public_corpus
+
+        corpus = public_corpus(cfg.data, int(cfg.seed), tok)
+        for n in args.corpus_masks:
+            ids = frequent_token_ids(tok, corpus, n).numpy()
+            masks[f"corpus{n // 1024}k" if n % 1024 == 0 else f"corpus{n}"] = \
+                Vb.vocab_mask(tok, Vb.EXPLICIT, vocab_size=V, ids=ids[ids < V])
+    table = variants(list(masks), args.ks)
     outcomes = {name: {"agree": [], "outside": [], "in_topk": []} for name, *_ in table}
     norms, per_prompt = [], []
     with torch.no_grad():

@@ -8,7 +8,9 @@ The update a module adds is ``ΔW = (alpha / r) · B A`` (peft's default scaling
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from pathlib import Path
 from typing import Sequence
 
@@ -31,7 +33,7 @@ from edgefuse.io import atomic_write_dir
 __all__ = [
     "MalformedUpdateError", "PEFT_PREFIX", "PARTS", "attach_lora", "get_adapter_state",
     "set_adapter_state", "pack_adapter", "unpack_adapter", "adapter_nbytes",
-    "save_peft_adapter", "lora_scaling", "check_received_adapter",
+    "save_peft_adapter", "lora_scaling", "check_received_adapter", "merge_local_adapter",
 ]
 
 # Prefix of peft's keys, in get_peft_model_state_dict and in adapter_model.safetensors.
@@ -243,3 +245,49 @@ def save_peft_adapter(
                    for k, v in state.items()},
                   tmp / "adapter_model.safetensors", metadata={"format": "pt"})
     return out
+
+
+_LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")  # a decoder layer's index in a weight's name
+
+
+def merge_local_adapter(model, adapter_dir: str | os.PathLike, layers: Sequence[int]):
+    """Merge a PEFT LoRA folder into ``model``'s decoder ``layers`` only, and return the
+    plain model (``merge_and_unload``): the split-inference device adapts the target layers it
+    runs; the cloud's middle layers stay the base model's, and the adapter never leaves the
+    device.
+
+    Every adapted module must sit in one of ``layers`` (read from the folder's safetensors
+    keys, ``...layers.<i>...lora_A/B...``), since a module of another layer runs where the
+    adapter is not.
+
+    Raises:
+        ValueError: no folder or no ``adapter_config.json`` / ``adapter_model.safetensors``,
+            not a LoRA adapter, ``modules_to_save`` or biases (weights beyond the layers),
+            or an adapted module outside ``layers`` (named).
+    """
+    from safetensors import safe_open
+
+    folder = Path(adapter_dir).expanduser()
+    cfg_path, weights = folder / "adapter_config.json", folder / "adapter_model.safetensors"
+    if not cfg_path.is_file() or not weights.is_file():
+        raise ValueError(f"{folder}: not a PEFT adapter folder (adapter_config.json and "
+                         f"adapter_model.safetensors needed)")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{cfg_path}: unreadable ({exc})") from None
+    if not isinstance(cfg, dict) or cfg.get("peft_type") != "LORA":
+        raise ValueError(f"{folder}: only a LoRA adapter can be merged into the device's layers")
+    if cfg.get("modules_to_save") or cfg.get("bias", "none") != "none":
+        raise ValueError(f"{folder}: modules_to_save / biases change weights outside the LoRA "
+                         f"modules, which a split device cannot hold")
+    keep = {int(i) for i in layers}
+    with safe_open(str(weights), "pt") as f:
+        keys = list(f.keys())
+    for key in keys:
+        hit = _LAYER_KEY.search(key)
+        if not any(p in key for p in PARTS) or hit is None or int(hit.group(1)) not in keep:
+            raise ValueError(f"{folder}: {key} adapts a weight outside the device's layers "
+                             f"{sorted(keep)}")
+    merged = PeftModel.from_pretrained(model, str(folder)).merge_and_unload()
+    return merged.eval()

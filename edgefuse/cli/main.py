@@ -226,12 +226,18 @@ def _cloud(argv: list[str]) -> int:
     g.add_argument("--head-split", type=int, default=None,
                    help="split modes: hold only the head's first S columns; the cloud scores the rest "
                         "(default: the whole head here)")
-    g.add_argument("--mask", default=None, choices=["full", "english", "ascii"],
-                   help="with --head-split: the vocabulary the cloud scores; other tokens are never emitted")
+    g.add_argument("--mask", default=None, choices=["full", "english", "ascii", "corpus"],
+                   help="with --head-split: the vocabulary the cloud scores; other tokens are never emitted "
+                        "(corpus: the --mask-size most frequent tokens of the public corpus, sent once)")
+    g.add_argument("--mask-size", type=int, default=32768,
+                   help="with --mask corpus: how many tokens it keeps (default 32768)")
     g.add_argument("--head-topk", type=int, default=0,
                    help="with --head-split: 0 = the whole mask 8-bit (default), k = its top-k")
     g.add_argument("--stream-block", type=int, default=0,
                    help="split modes: prompt rows per pipelined MID (default 0 = the whole prompt in one)")
+    g.add_argument("--split-adapter", default=None, metavar="DIR",
+                   help="split modes: a PEFT LoRA folder merged into the target layers run here "
+                        "(it never leaves the device)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     g.add_argument("--device-dir", default=None,
                    help="the device home whose identity and pinned cloud key authenticate the link "

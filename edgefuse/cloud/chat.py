@@ -145,7 +145,13 @@ def run(args) -> int:
 
         split = load_split_device(args.target, SplitSettings(
             k=args.split_k, m=args.split_m, head_split=args.head_split, act=args.split_act,
-            mask=args.mask, head_topk=args.head_topk, stream_block=args.stream_block), root=paths.cache_dir)
+            mask=args.mask, mask_size=args.mask_size, head_topk=args.head_topk,
+            stream_block=args.stream_block, adapter=args.split_adapter), root=paths.cache_dir)
+        if args.mask == "corpus":
+            from edgefuse.cloud.devices import with_corpus_mask
+
+            resolve_paths(job, data_mirror=paths.data_mirror or "hub", cache_dir=paths.cache_dir)
+            split = with_corpus_mask(split, job.data, int(job.seed), job.paths.cache_dir)
     link = None
     if any(m != "edge" for m in modes):
         identity, trust = device_keys(args.device_dir, bool(args.trust_on_first_use))

@@ -62,9 +62,35 @@ def pruned_head(model, tok, data_cfg, seed: int, n: int, cache_dir=None):
     """
     if n <= 0:
         return None
+    from edgefuse.cloud.decoding.drafters import DraftHead
+
+    return DraftHead(model, _frequent_ids(tok, data_cfg, seed, n, cache_dir))
+
+
+def corpus_mask_ids(tok, data_cfg, seed: int, n: int, cache_dir=None) -> np.ndarray:
+    """The ids of a split head's ``corpus`` vocabulary mask: the ``n`` most frequent tokens
+    of :func:`public_corpus` (the ids a pruned draft head of ``n`` keeps, from the same cache
+    file), ``int64``. Raises ``ValueError`` as :func:`pruned_head`."""
+    return _frequent_ids(tok, data_cfg, seed, n, cache_dir).numpy()
+
+
+def with_corpus_mask(split, data_cfg, seed: int, cache_dir=None):
+    """``split`` (a :class:`~edgefuse.cloud.decoding.split.SplitDevice`) with the ids of its
+    ``corpus`` mask (``settings.mask_size`` tokens, :func:`corpus_mask_ids` over the target's
+    tokenizer) when it has one; unchanged otherwise (None stays None)."""
+    from edgefuse.cloud.decoding.split import CORPUS_MASK
+
+    if split is not None and split.settings.head_split is not None and split.settings.mask == CORPUS_MASK:
+        split.mask_ids = corpus_mask_ids(split.tok, data_cfg, seed, split.settings.mask_size, cache_dir)
+    return split
+
+
+def _frequent_ids(tok, data_cfg, seed: int, n: int, cache_dir=None):
+    """The ``n`` most frequent token ids of :func:`public_corpus` (``LongTensor``), cached
+    as JSON under ``<cache_dir>/draft_heads``."""
     from edgefuse.models import cache_dir as model_cache
 
-    from edgefuse.cloud.decoding.drafters import DraftHead, frequent_token_ids
+    from edgefuse.cloud.decoding.drafters import frequent_token_ids
     from edgefuse.cloud.target import tokenizer_fingerprint
 
     path = model_cache(cache_dir) / "draft_heads" / f"{tokenizer_fingerprint(tok)}-{n}.json"
@@ -72,8 +98,7 @@ def pruned_head(model, tok, data_cfg, seed: int, n: int, cache_dir=None):
     if not corpus:
         raise ValueError("the draft_corpus slice of the public split is empty: lower the other "
                          "data.public_slices sizes or raise data.public_fraction")
-    ids = frequent_token_ids(tok, corpus, n, cache_path=path)
-    return DraftHead(model, ids)
+    return frequent_token_ids(tok, corpus, n, cache_path=path)
 
 
 @dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
@@ -25,6 +26,7 @@ from edgefuse.cloud.service import CloudService
 from edgefuse.cloud.split_target import SplitTarget
 from edgefuse.cloud.target import Target, tokenizer_fingerprint
 from edgefuse.models import tiny_tokenizer
+from edgefuse.transport.wan import WanProfile
 from tests.cloud.conftest import device_keys, perturbed_copy, service_keys, target_greedy
 
 PROMPTS = [[5, 17, 33, 60, 91, 7, 250], [40, 41, 42], [100, 7, 100, 7, 100, 7, 100, 7]]
@@ -72,24 +74,42 @@ def decoder(tiny, service, settings: SplitSettings | None, link=None) -> tuple[D
     return Decoder(edge, link, fp, drafter=FullHeadDrafter(edge), split=split), link
 
 
-@pytest.mark.parametrize("mode, gamma", [("split", None), ("split_spec", None), ("split_spec", 3)])
-def test_split_float16_equals_the_unsplit_target(tiny, service, mode, gamma):
+@pytest.mark.parametrize("mode, gamma, pipeline", [("split", None, True), ("split_spec", None, False),
+                                                    ("split_spec", 3, False), ("split_spec", None, True),
+                                                    ("split_spec", 3, True)])
+def test_split_float16_equals_the_unsplit_target(tiny, service, mode, gamma, pipeline):
     """float16 rows: both split modes give the unsplit target's greedy tokens exactly, and
-    split_spec accepts some drafts but not all (so rollback of both halves ran)."""
+    split_spec accepts some drafts but not all (so rollback of both halves ran); pipelined,
+    some blocks go out with the front rows the look-ahead ran while the block before was in
+    flight, and the tokens are still the target's."""
     target = tiny[0]
-    dec, link = decoder(tiny, service, SplitSettings(k=1, m=1, act="float16"))
-    drafted = accepted = 0
+    # an emulated 30 ms RTT: the look-ahead has time to run while a block is in flight
+    link = CloudLink.connect("127.0.0.1", service.port, WanProfile(30.0, float("inf")),
+                             timeout_s=10, **device_keys())
+    dec, link = decoder(tiny, service, SplitSettings(k=1, m=1, act="float16"), link=link)
+    drafted = accepted = ahead = 0
+    real_session = dec.split.session
+
+    def session(*a, **kw):
+        nonlocal sess
+        sess = real_session(*a, **kw)
+        return sess
+    sess = None
+    dec.split.session = session
     with link:
         for prompt in PROMPTS:
-            res = dec.generate(mode, prompt, DecodeConfig(max_new_tokens=N, gamma=gamma))
+            res = dec.generate(mode, prompt, DecodeConfig(max_new_tokens=N, gamma=gamma,
+                                                          split_pipeline=pipeline))
             assert res.fallback is None
             assert res.tokens == target_greedy(target, prompt, N), (mode, prompt)
             drafted, accepted = drafted + res.drafted, accepted + res.accepted
+            ahead += sess.ahead_blocks
             if mode == "split":
                 # one round trip per token (and one for the prompt's prefill)
                 assert res.round_trips == N
     if mode == "split_spec":
         assert 0 < accepted < drafted
+    assert (ahead > 0) == (mode == "split_spec" and pipeline)
 
 
 def test_split_int8_logits_within_their_bound_and_rows_cost_d_plus_2_bytes(tiny, service):
@@ -158,6 +178,33 @@ def test_split_head_never_emits_a_masked_token(tiny, service):
     outside = [t for t in ref if t not in english]
     assert outside, "the test needs a target whose greedy output leaves the mask"
     assert not set(outside) & set(res.tokens)
+
+
+def test_corpus_mask_goes_once_as_a_bitmap_and_bounds_the_output(tiny, service):
+    """``mask=corpus``: the device sends its id set once (MASK, ceil(V/8) bytes; the cloud
+    answers its size, special ids added), the cloud scores only those ids, and every token
+    emitted is in the set, though the target's own greedy output leaves it. Without its
+    ids the session refuses to start."""
+    target, _, tok, fp = tiny
+    ref = target_greedy(target, PROMPTS[0], N)
+    V_ = target.config.vocab_size
+    allowed = np.setdiff1d(np.arange(V_), np.asarray(sorted(set(ref[: N // 2]))))  # not the favourites
+    settings = SplitSettings(k=1, m=1, head_split=40, act="float16", mask="corpus", mask_size=len(allowed))
+    assert settings.request().mask == V.EXPLICIT and "corpus" in settings.label()
+    dec, link = decoder(tiny, service, settings)
+    dec.split.mask_ids = allowed
+    want = V.vocab_mask(tok, V.EXPLICIT, vocab_size=V_, ids=allowed)
+    with link:
+        up0 = link.bytes_up
+        res = dec.generate("split_spec", PROMPTS[0], DecodeConfig(max_new_tokens=N))
+        assert res.fallback is None
+        assert res.prefill_bytes_up >= V.bitmap_nbytes(V_)  # the bitmap went with the OPEN
+        assert link.bytes_up > up0
+    assert res.tokens and set(res.tokens) <= set(want.tolist())
+    assert not set(ref[: N // 2]) & set(res.tokens) - set(V.special_ids(tok))
+    dec.split.mask_ids = None
+    with pytest.raises(ValueError, match="corpus mask needs its ids"):
+        dec.split.session(link, P.CloudAuth(), 10.0)
 
 
 def test_split_cloud_gone_mid_generation_falls_back_to_the_edge(tiny, service):
@@ -252,3 +299,54 @@ def test_streamed_prefill_in_blocks_gives_the_same_tokens(tiny, service, auth):
         sess.close()
     with pytest.raises(ValueError, match="stream_block"):
         SplitSettings(stream_block=-1)
+
+
+def _lora_folder(base, path, layers, seed=1):
+    """A PEFT LoRA on ``q_proj`` / ``v_proj`` of ``layers`` of a copy of ``base``, with
+    random (non-zero) B so that it changes the model; saved to ``path``."""
+    from peft import LoraConfig, get_peft_model
+
+    peft = get_peft_model(copy.deepcopy(base), LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], layers_to_transform=list(layers)))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    peft.save_pretrained(str(path))
+    return peft.merge_and_unload().eval()
+
+
+def test_device_lora_on_its_own_layers_gives_the_merged_model_and_stays_on_the_device(tiny, service, tmp_path):
+    """The device merges its own LoRA into the layers it runs (k = 1: layer 0, m = 1: layer
+    3); the cloud's middle stays the base model's, so the split gives exactly the greedy
+    tokens of the whole model with that LoRA merged (float16 rows), which differ from the
+    base model's. The service's weights are untouched and nothing but activations crossed.
+    An adapter on a middle layer is refused, naming the weight."""
+    from edgefuse.lora import merge_local_adapter
+
+    target, _, tok, fp = tiny
+    merged = _lora_folder(target, tmp_path / "lora", [0, 3])
+    before = {k: v.clone() for k, v in service.split.model.state_dict().items()}
+    device_model = merge_local_adapter(copy.deepcopy(target), tmp_path / "lora", [0, 3])
+    settings = SplitSettings(k=1, m=1, act="float16", adapter=str(tmp_path / "lora"))
+    parts = S.free_unused(S.split_model(device_model, 1, 1), "device")
+    link = CloudLink.connect("127.0.0.1", service.port, timeout_s=10, **device_keys())
+    edge = EdgeLM(tiny[1], tok)
+    edge.eos_ids = set()
+    dec = Decoder(edge, link, fp, drafter=FullHeadDrafter(edge), split=SplitDevice(parts, settings, tok, fp))
+    differs = False
+    with link:
+        for prompt in PROMPTS:
+            res = dec.generate("split_spec", prompt, DecodeConfig(max_new_tokens=N))
+            assert res.split.endswith("+ device LoRA")
+            assert res.tokens == target_greedy(merged, prompt, N), prompt
+            differs |= res.tokens != target_greedy(target, prompt, N)
+    assert differs  # the adapter changed the output: the test could fail
+    after = service.split.model.state_dict()
+    assert all(after[k].equal(v) for k, v in before.items())
+    _lora_folder(target, tmp_path / "middle", [1])
+    with pytest.raises(ValueError, match=r"layers\.1\..*outside the device's layers \[0, 3\]"):
+        merge_local_adapter(copy.deepcopy(target), tmp_path / "middle", [0, 3])
+    with pytest.raises(ValueError, match="not a PEFT adapter folder"):
+        merge_local_adapter(copy.deepcopy(target), tmp_path, [0, 3])

@@ -29,7 +29,7 @@ from edgefuse.app.device import DeviceHome
 from edgefuse.cloud.decoding import DraftHead, DrafterSpec, auth_from_config, decode_config, drafter_spec
 from edgefuse.cloud.decoding.config import SPLIT_MODES
 from edgefuse.cloud.decoding.split import load_split_device, settings_from_config
-from edgefuse.cloud.devices import pruned_head, run_devices
+from edgefuse.cloud.devices import pruned_head, run_devices, with_corpus_mask
 from edgefuse.cloud.target import tokenizer_fingerprint
 from edgefuse.privacy.audit import watch_canaries
 from edgefuse.privacy.protect import client_protection, join_placeholders, protect_batch
@@ -104,7 +104,9 @@ def decode(msg: Message, context: Context, client) -> RecordDict:
     keys = {"identity": home.identity(), "trust": home.trust()}
     split = None
     if set(map(str, c.modes)) & set(SPLIT_MODES):  # the target's first and last layers, here
-        split = load_split_device(str(c.model), settings_from_config(c.split), root=cfg.paths.cache_dir)
+        split = with_corpus_mask(load_split_device(str(c.model), settings_from_config(c.split),
+                                                   root=cfg.paths.cache_dir),
+                                 cfg.data, int(cfg.seed), cfg.paths.cache_dir)
     threads = torch.get_num_threads()
     torch.set_num_threads(int(c.threads))
     try:

@@ -31,7 +31,9 @@ class DecodeConfig:
     ``fusion``: weights (see :class:`FusionConfig`); ``deadline_ms``: per-token deadline of
     fusion (ms from request to answer); ``timeout_s``: a request unanswered this long (for
     fusion: no answer at all for this long) means the cloud is gone (s); ``auth``: the
-    cloud cache tuple (flagCache, LCache) every request carries (default: keep all)."""
+    cloud cache tuple (flagCache, LCache) every request carries (default: keep all);
+    ``split_pipeline``: ``split_spec`` drafts the next block and runs its front while a
+    block is in flight, as ``spec_async`` does (False: the synchronous loop)."""
     max_new_tokens: int = 64
     temperature: float = 0.0
     top_k: int = 0
@@ -45,8 +47,11 @@ class DecodeConfig:
     deadline_ms: float = 1000.0
     timeout_s: float = 60.0
     auth: CloudAuth = field(default_factory=CloudAuth)
+    split_pipeline: bool = True
 
     def __post_init__(self):
+        if not isinstance(self.split_pipeline, bool):
+            raise DecodeError(f"split_pipeline must be true or false, got {self.split_pipeline!r}")
         if not isinstance(self.auth, CloudAuth):
             raise DecodeError(f"auth must be a CloudAuth, got {type(self.auth).__name__}")
         if self.max_new_tokens < 1:

@@ -21,7 +21,10 @@ Modes (``MODES``):
   embeddings, first ``k`` and last ``m`` layers and its head; the cloud only the middle
   layers, seeing activations, never ids. ``split`` is one round trip per token (the naive
   split, γ = 0); ``split_spec`` drafts a block and verifies it through the split in one
-  round trip, verifying on the device (it holds the final logits). Greedy output equals
+  round trip, verifying on the device (it holds the final logits), pipelined as
+  ``spec_async`` (``DecodeConfig.split_pipeline``): while a block's MID is in flight the
+  device drafts the next block on its guess of the target's token and runs the front over
+  it, so a right guess sends the next MID at once. Greedy output equals
   the unsplit target's up to the int8 activation error (identical with float16 rows in
   the tests).
 
@@ -153,9 +156,9 @@ class Decoder:
         try:
             if mode == "edge":
                 self._edge_only(cfg, gen, res)
-            elif mode in ("cloud", "spec_sync", "split", "split_spec"):
+            elif mode in ("cloud", "spec_sync", "split") or (mode == "split_spec" and not cfg.split_pipeline):
                 self._speculative(prompt, cfg, gen, res, drafter, gamma0=mode in ("cloud", "split"))
-            elif mode == "spec_async":
+            elif mode in ("spec_async", "split_spec"):
                 self._speculative_async(prompt, cfg, gen, res, drafter)
             else:
                 fcfg = cfg.fusion
@@ -301,13 +304,11 @@ class Decoder:
                 drafter.rollback(len(committed))
 
     def _verify(self, committed: list[int], draft: Draft, cfg) -> tuple[int, int]:
-        """``(accepted, next token)`` for ``draft`` on top of ``committed``: one VERIFY, or
-        through the split session (the device verifies; one MID, plus a HEAD with a split
-        head)."""
-        if self._session is not None:
-            return self._session.verify(committed, draft, cfg.temperature, cfg.top_k)
-        reply = self.link.request(self._verify_msg(committed, draft, cfg), timeout_s=cfg.timeout_s)
-        return reply.accepted, reply.token
+        """``(accepted, next token)`` for ``draft`` on top of ``committed`` in one synchronous
+        round trip: a VERIFY, or through the split session (the device verifies; one MID,
+        plus a HEAD with a split head)."""
+        pending = self._send_block(committed, draft, cfg)
+        return self._take_block(pending, self.link.recv(timeout_s=cfg.timeout_s), committed, draft, cfg)
 
     def _time_round_trip(self, rt_ms: float, ctl: GammaController, gamma: int) -> None:
         """Split a measured round trip (ms) into the assumed RTT and the cloud's verify time,
@@ -315,21 +316,44 @@ class Decoder:
         base = ctl.verify_base_ms(max(rt_ms - self.rtt_ms, 1.0), gamma)
         self.verify_ms = 0.7 * self.verify_ms + 0.3 * base
 
+    def _send_block(self, committed: list[int], draft: Draft, cfg):
+        """Send the block ``draft`` on top of ``committed``: a VERIFY, or through the split
+        session a MID (its front rows already computed if the look-ahead ran them). Returns
+        what :meth:`_take_block` needs."""
+        if self._session is not None:
+            return self._session.send_block(committed, draft.ids)
+        msg = self._verify_msg(committed, draft, cfg)
+        self.link.send(msg)
+        self.link.count_round_trip()
+        return msg
+
+    def _take_block(self, pending, reply, committed: list[int], draft: Draft, cfg) -> tuple[int, int]:
+        """``(accepted, next token)`` of the block :meth:`_send_block` sent, from ``reply``
+        (the message that answered it): the cloud's VERIFIED, or through the split session
+        the MIDOUT, the device's back and head, and its own verification."""
+        if self._session is not None:
+            return self._session.take_block(pending, committed, draft.ids, cfg.temperature,
+                                            cfg.top_k, q=draft.q, reply=reply)
+        if not isinstance(reply, P.Verified) or reply.req != pending.req:
+            raise P.ProtocolError(f"expected VERIFIED for request {pending.req}, got {reply!r}")
+        return reply.accepted, reply.token
+
     def _speculative_async(self, prompt, cfg, gen, res, drafter: Drafter) -> None:
+        """``spec_async``, and ``split_spec`` pipelined: while block k is in flight the device
+        guesses the target's next token, drafts block k+1 on top of it and (split) runs the
+        front over it; a right guess sends block k+1 at once."""
         ctl = GammaController(cfg.gamma_min, cfg.gamma_max, fixed=cfg.gamma)
         committed = list(prompt)
-        link = self.link
+        link, split = self.link, self._session
         # the first block: nothing to overlap with yet
         g = min(ctl.choose(self.draft_ms, self.rtt_ms, self.verify_ms), max(cfg.max_new_tokens - 1, 0))
         draft = self._draft(drafter, g, cfg, gen)
         try:
             while True:
-                msg = self._verify_msg(committed, draft, cfg)
-                link.send(msg)
-                link.count_round_trip()
+                pending = self._send_block(committed, draft, cfg)
                 sent = time.perf_counter()
                 # draft ahead on the guess that the whole block is accepted
-                guess, ahead, reply = None, Draft(), None
+                guess, ahead, reply, fronted = None, Draft(), None, False
                 left = cfg.max_new_tokens - len(res.tokens) - len(draft.ids)
                 drafting = left > 0  # until the drafter has nothing more to propose
                 # look ahead at most the γ that best fills a round trip when drafting overlaps it
@@ -342,16 +366,18 @@ class Decoder:
                         d = self._draft(drafter, 1, cfg, gen)
                         ahead.extend(d)
                         drafting = bool(d.ids)
+                    elif split is not None and guess is not None and not fronted:
+                        split.prefront([guess] + list(ahead.ids))  # block k+1's front, ready to send
+                        fronted = True
                     else:
                         reply = link.recv(timeout_s=cfg.timeout_s)
                         break
                     reply = _poll(link)
-                if not isinstance(reply, P.Verified) or reply.req != msg.req:
-                    raise P.ProtocolError(f"expected VERIFIED for request {msg.req}, got {reply!r}")
+                n, token = self._take_block(pending, reply, committed, draft, cfg)
                 self._time_round_trip(1000 * (time.perf_counter() - sent), ctl, len(draft.ids))
-                ctl.update(reply.accepted, len(draft.ids))
-                hit = reply.accepted == len(draft.ids) and guess is not None and reply.token == guess
-                done, _ = self._commit(drafter, res, committed, draft, reply.accepted, reply.token, cfg)
+                ctl.update(n, len(draft.ids))
+                hit = n == len(draft.ids) and guess is not None and token == guess
+                done, _ = self._commit(drafter, res, committed, draft, n, token, cfg)
                 if done:
                     return
                 if hit and ahead.ids:
