@@ -278,6 +278,32 @@ def ratios(rows: list[dict], rtts: list[float], kms: list[tuple[int, int]]) -> d
     return out
 
 
+def paired_speedups(records: list[dict], rtts: list[float], kms) -> dict:
+    """Per RTT and cut, ``split_spec / split`` tokens/s prompt by prompt (the same prompts):
+    the geometric mean of the per-prompt ratios with a bootstrap 95 % interval (over the
+    log ratios), and n. A prompt either mode ended in an edge-only fallback is left out."""
+    import math
+
+    out = {}
+    for rtt in rtts:
+        for km in kms:
+            tps = {}
+            for mode in ("split", "split_spec"):
+                tps[mode] = {r["qid"]: r["tokens_per_s"] for r in records
+                             if r["rtt_ms"] == rtt and r["mode"] == mode and r.get("km") == list(km)
+                             and r.get("variant", "main") == "main" and not r.get("fallback")
+                             and r.get("tokens_per_s")}
+            common = sorted(set(tps["split"]) & set(tps["split_spec"]))
+            if not common:
+                continue
+            est = stats.bootstrap_mean_interval([math.log(tps["split_spec"][q] / tps["split"][q]) for q in common])
+            out[f"{rtt:g}ms k{km[0]} m{km[1]}"] = {
+                "rtt_ms": rtt, "km": list(km), "n": len(common),
+                "split_spec_over_split_geomean": math.exp(est.value),
+                "ci95_low": math.exp(est.low), "ci95_high": math.exp(est.high)}
+    return out
+
+
 def check_targets(ratio: dict, kms, default_km) -> dict:
     """The issue's target per cut: split_spec / split >= 1.4 at 80 ms (``met`` None where
     a row is missing); ``headline`` is the default cut's."""
@@ -431,6 +457,7 @@ def main(argv=None) -> int:
             "rows": rows, "ratios": ratio, "targets": check_targets(ratio, args.kms, args.default_km),
             "act_agreement": act_agreement(records, hi, args.default_km),
             "stream_prefill": stream_prefill(records, hi, args.default_km),
+            "paired_speedups": paired_speedups(records, args.rtts, args.kms),
             "split_head": {
                 "mask": HEAD_MASK, "head_split": head_rows[0]["split_head_split"] if head_rows else None,
                 "rows": [{k: r.get(k) for k in ("variant", "split", "bytes_down_per_token", "bytes_up_per_token",

@@ -37,6 +37,11 @@ def test_quick_run_rows_ratios_and_controls(mirror, tmp_path):
     tps = {k: r["tokens_per_s"] for k, r in rows.items()}
     assert ratio["split_spec_over_split"] == tps[("split_spec", "main")] / tps[("split", "main")]
     assert ratio["pipelined_over_sync"] == tps[("split_spec", "main")] / tps[("split_spec", "sync")]
+    # prompt by prompt (n = 1 here): the geometric mean is the one prompt's own ratio
+    ps = res["paired_speedups"]["40ms k2 m2"]
+    rec = {(r["mode"], r["variant"]): r for r in res["records"]}
+    assert ps["n"] == 1 and abs(ps["split_spec_over_split_geomean"] - rec[("split_spec", "main")]["tokens_per_s"]
+                                / rec[("split", "main")]["tokens_per_s"]) < 1e-9
     # both loops verify the same blocks through the same split: the same tokens
     toks = {(r["mode"], r["variant"]): r["tokens"] for r in res["records"]}
     assert toks[("split_spec", "main")] == toks[("split_spec", "sync")]
