@@ -160,17 +160,31 @@ class GammaController:
         """The one-token verify time implied by a block of ``gamma`` that took ``measured_ms``."""
         return measured_ms / (1 + self.verify_growth * gamma)
 
-    def choose(self, draft_ms: float, rtt_ms: float, verify_ms: float, overlap: bool = False) -> int:
+    def choose(self, draft_ms: float, rtt_ms: float, verify_ms: float, overlap: bool = False,
+               measured: dict[int, float] | None = None) -> int:
         """The γ with the highest modelled tokens/s (ties: the smaller γ). Times in ms;
-        ``verify_ms`` is the one-token verify time."""
+        ``verify_ms`` is the one-token verify time.
+
+        ``measured``: round trips (ms, RTT included) measured for blocks of each γ. A
+        measured γ's remote cost is its measurement, not the model's: a CPU's matrix kernels
+        are not smooth in the rows (on one core of this machine the 1.5B target's forward
+        costs about the same for 1 to 3 rows and twice that for 4 to 6). With ``measured``
+        given, a γ next to the best that was never measured is returned first, once (a
+        deterministic local search), so the table learns the costs around the best."""
         if self.fixed is not None:
             return int(self.fixed)
         alpha = min(max(self.alpha, 0.0), 0.99)
         best, best_rate = self.gamma_min, -math.inf
         for g in range(self.gamma_min, self.gamma_max + 1):
             remote = rtt_ms + verify_ms * (1 + self.verify_growth * g)
+            if measured and g in measured:
+                remote = measured[g]
             cost = max(g * draft_ms, remote) if overlap else g * draft_ms + remote
             rate = expected_tokens_per_block(alpha, g) / max(cost, 1e-9)
             if rate > best_rate + 1e-12:
                 best, best_rate = g, rate
+        if measured is not None:
+            for g in (best - 1, best + 1):
+                if self.gamma_min <= g <= self.gamma_max and g not in measured:
+                    return g
         return best

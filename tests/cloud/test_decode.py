@@ -292,6 +292,28 @@ def test_gamma_controller():
     assert c.verify_base_ms(580.0, 5) == pytest.approx(290.0)
 
 
+def test_gamma_controller_uses_measured_block_costs_and_explores_their_neighbours():
+    """A kernel whose cost jumps at 4 rows (γ = 3): with the measured round trips the
+    controller leaves the smooth model's γ = 3 for γ = 2, which costs about one token; an
+    unmeasured γ next to the best is tried once first, so the table learns the step.
+    (Rates by hand, α = 0.84, 86 ms per draft: γ = 2 gives 2.55 tokens for 702 ms, 3.63/s;
+    γ = 3 3.14 tokens for 1258 ms, 2.50/s.)"""
+    c = GammaController(1, 8, alpha0=0.84)
+    assert c.choose(86, 80, 290) == 3  # the smooth model alone
+    # 1-3 rows cost one verify, 4-6 rows twice that, 7-8 three times
+    step = {1: 510, 2: 530, 3: 1000, 4: 1010, 5: 1030, 6: 1400, 7: 1450, 8: 1500}
+    assert c.choose(86, 80, 290, measured=step) == 2
+    # a local search from γ = 3: the model's best among the rest is 2, whose neighbour 1 is
+    # unmeasured; then the model's 4 looks best, its neighbour 5 is tried; measured, 2 wins
+    seen = {3: 1000}
+    assert c.choose(86, 80, 290, measured=seen) == 1
+    seen.update({1: 510, 2: 530})
+    assert c.choose(86, 80, 290, measured=seen) == 5
+    seen.update({4: 1010, 5: 1030})
+    assert c.choose(86, 80, 290, measured=seen) == 2
+    assert GammaController(fixed=4).choose(86, 80, 290, measured={}) == 4
+
+
 def test_draft_batcher_runs_simulated_devices_together_with_unchanged_outputs(pair):
     """Three devices sharing one model: their steps run batched (fewer forwards than steps),
     and each device's greedy output equals what it generates alone."""

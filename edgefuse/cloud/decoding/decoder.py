@@ -108,6 +108,10 @@ class Decoder:
         self.rtt_ms = rtt_ms
         self.draft_ms = 50.0
         self.verify_ms = 100.0
+        # per mode, γ -> the round trip (ms) measured for blocks of γ drafts (EMA): the γ
+        # controller's cost table, kept across generations
+        self.round_trip_ms: dict[str, dict[int, float]] = {}
+        self._measured: dict[int, float] = {}
         self._req = 0
         self._held = 0  # mirror: committed tokens the cloud holds after the last request
 
@@ -128,6 +132,7 @@ class Decoder:
         if mode in SPLIT_MODES and self.split is None:
             raise DecodeError(f"mode {mode!r} needs the target's device layers (cloud.split)")
         res = DecodeResult(mode=mode, tokens=[])
+        self._measured = self.round_trip_ms.setdefault(mode, {})
         gen = torch.Generator().manual_seed(cfg.seed)
         t0 = time.perf_counter()
         c0 = self._counters()
@@ -288,7 +293,7 @@ class Decoder:
         committed = list(prompt)
         while True:
             left = cfg.max_new_tokens - len(res.tokens)
-            g = min(ctl.choose(self.draft_ms, self.rtt_ms, self.verify_ms), max(left - 1, 0))
+            g = min(self._choose(ctl), max(left - 1, 0))
             draft = self._draft(drafter, g, cfg, gen)
             t0 = time.perf_counter()
             try:
@@ -310,11 +315,19 @@ class Decoder:
         pending = self._send_block(committed, draft, cfg)
         return self._take_block(pending, self.link.recv(timeout_s=cfg.timeout_s), committed, draft, cfg)
 
+    def _choose(self, ctl: GammaController, overlap: bool = False) -> int:
+        """The controller's γ from the decoder's timings and this mode's measured round trips."""
+        return ctl.choose(self.draft_ms, self.rtt_ms, self.verify_ms, overlap=overlap, measured=self._measured)
+
     def _time_round_trip(self, rt_ms: float, ctl: GammaController, gamma: int) -> None:
         """Split a measured round trip (ms) into the assumed RTT and the cloud's verify time,
-        normalised to one token, for the γ controller."""
+        normalised to one token, for the γ controller; and keep it as this mode's measured
+        cost of a block of ``gamma`` drafts."""
         base = ctl.verify_base_ms(max(rt_ms - self.rtt_ms, 1.0), gamma)
         self.verify_ms = 0.7 * self.verify_ms + 0.3 * base
+        if gamma > 0:
+            old = self._measured.get(gamma)
+            self._measured[gamma] = rt_ms if old is None else 0.7 * old + 0.3 * rt_ms
 
     def _send_block(self, committed: list[int], draft: Draft, cfg):
         """Send the block ``draft`` on top of ``committed``: a VERIFY, or through the split
@@ -346,7 +359,7 @@ class Decoder:
         committed = list(prompt)
         link, split = self.link, self._session
         # the first block: nothing to overlap with yet
-        g = min(ctl.choose(self.draft_ms, self.rtt_ms, self.verify_ms), max(cfg.max_new_tokens - 1, 0))
+        g = min(self._choose(ctl), max(cfg.max_new_tokens - 1, 0))
         draft = self._draft(drafter, g, cfg, gen)
         try:
             while True:
@@ -357,7 +370,7 @@ class Decoder:
                 left = cfg.max_new_tokens - len(res.tokens) - len(draft.ids)
                 drafting = left > 0  # until the drafter has nothing more to propose
                 # look ahead at most the γ that best fills a round trip when drafting overlaps it
-                gmax = ctl.choose(self.draft_ms, self.rtt_ms, self.verify_ms, overlap=True)
+                gmax = self._choose(ctl, overlap=True)
                 while reply is None:
                     if drafting and guess is None:
                         d = self._draft(drafter, 1, cfg, gen)
@@ -387,7 +400,7 @@ class Decoder:
                     # rejected (or nothing drafted ahead): discard the look-ahead, draft afresh
                     drafter.rollback(len(committed))
                     left = cfg.max_new_tokens - len(res.tokens)
-                    g = min(ctl.choose(self.draft_ms, self.rtt_ms, self.verify_ms), max(left - 1, 0))
+                    g = min(self._choose(ctl), max(left - 1, 0))
                     draft = self._draft(drafter, g, cfg, gen)
         except (ConnectionError, TimeoutError, OSError, P.RemoteError) as exc:
             return self._fallback(res, exc, cfg, gen, committed)
