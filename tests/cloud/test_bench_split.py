@@ -50,3 +50,24 @@ def test_quick_run_rows_ratios_and_controls(mirror, tmp_path):
     assert st["n"] == 1 and st["stream_block"] == bench.STREAM_BLOCK
     assert st["streamed_minus_one_mid_s"] == st["streamed_s"][0] - st["one_mid_s"][0]
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_rows_quick_times_every_row_count_and_refuses_a_bad_cut(tmp_path, capsys):
+    """``bench/bench_rows.py --quick``: a time per row count for the whole body and the
+    split's middle, each ratio its own time over the first; a cut the model cannot take is
+    one line and exit 2."""
+    spec = importlib.util.spec_from_file_location("bench_rows_under_test", ROOT / "bench" / "bench_rows.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "rows.json"
+    assert bench.main(["--quick", "--rows", "1", "3", "4", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    for key in ("body", "middle"):
+        ms = res[f"{key}_ms"]
+        assert sorted(ms, key=int) == ["1", "3", "4"] and all(v > 0 for v in ms.values())
+        assert res[f"{key}_ratio_to_first"] == {n: v / ms["1"] for n, v in ms.items()}
+    capsys.readouterr()
+    assert bench.main(["--quick", "--split", "2", "2", "--out", str(tmp_path / "bad.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("bench_rows: --split:"), err
+    assert not (tmp_path / "bad.json").exists()
