@@ -136,9 +136,10 @@ class GammaController:
     verify_ms(γ) = verify_ms · (1 + verify_growth·γ) and cost = γ·draft_ms + rtt_ms +
     verify_ms(γ) for the synchronous loop, max(γ·draft_ms, rtt_ms + verify_ms(γ)) when
     drafting overlaps the round trip (``overlap``). A long RTT favours long blocks, a low α
-    short ones. ``verify_growth`` 0.2 fits the 1.5B target on one CPU core (a block of 4
-    tokens costs 1.8× one token, of 8 tokens 2.1×); on a GPU it is close to 0. ``fixed``
-    pins γ (no adaptation)."""
+    short ones. ``verify_growth`` 0.2 is the smooth model's slope (one CPU core once measured
+    a block of 4 tokens at 1.8× one token, of 8 at 2.1×; on a GPU it is close to 0); where
+    the decoder has measured a γ's round trip, :meth:`choose` uses that instead, since real
+    costs come in steps (``bench/bench_rows.py``). ``fixed`` pins γ (no adaptation)."""
     gamma_min: int = 1
     gamma_max: int = 8
     alpha0: float = 0.7
