@@ -314,6 +314,28 @@ def test_gamma_controller_uses_measured_block_costs_and_explores_their_neighbour
     assert GammaController(fixed=4).choose(86, 80, 290, measured={}) == 4
 
 
+def test_the_decoder_learns_a_round_trip_per_mode_and_gamma(perturbed):
+    """One decoder over several generations: each speculative mode keeps its own table of
+    measured round trips per γ (the controller's costs), filled from its blocks, with more
+    than one γ tried (the controller explores the best's neighbours); ``cloud`` (γ = 0)
+    records none; the output stays the target's."""
+    target, edge_model, tok = perturbed
+    T = Target(target, tok, "tiny-target")
+    edge = EdgeLM(edge_model, tok)
+    edge.eos_ids = set()
+    dec = Decoder(edge, DirectLink(T), T.fingerprint, rtt_ms=1.0)
+    for mode in ("cloud", "spec_sync", "spec_async"):
+        for prompt in PROMPTS:
+            res = dec.generate(mode, prompt, DecodeConfig(max_new_tokens=12, gamma_max=4))
+            assert res.tokens == target_greedy(target, prompt, 12)
+    assert dec.round_trip_ms["cloud"] == {}
+    for mode in ("spec_sync", "spec_async"):
+        table = dec.round_trip_ms[mode]
+        assert len(table) >= 2 and set(table) <= {1, 2, 3, 4}, (mode, table)
+        assert all(v > 0 for v in table.values())
+    assert dec.round_trip_ms["spec_sync"] is not dec.round_trip_ms["spec_async"]
+
+
 def test_draft_batcher_runs_simulated_devices_together_with_unchanged_outputs(pair):
     """Three devices sharing one model: their steps run batched (fewer forwards than steps),
     and each device's greedy output equals what it generates alone."""
