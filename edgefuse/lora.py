@@ -281,13 +281,30 @@ def merge_local_adapter(model, adapter_dir: str | os.PathLike, layers: Sequence[
     if cfg.get("modules_to_save") or cfg.get("bias", "none") != "none":
         raise ValueError(f"{folder}: modules_to_save / biases change weights outside the LoRA "
                          f"modules, which a split device cannot hold")
+    if cfg.get("use_dora"):
+        raise ValueError(f"{folder}: a DoRA adapter is not merged into a split device's layers "
+                         f"(only plain LoRA)")
     keep = {int(i) for i in layers}
-    with safe_open(str(weights), "pt") as f:
-        keys = list(f.keys())
+    try:
+        with safe_open(str(weights), "pt") as f:
+            keys = list(f.keys())
+    except Exception as exc:  # safetensors' own error types: a corrupt or truncated file
+        raise ValueError(f"{weights}: unreadable ({type(exc).__name__}: {str(exc)[:120]})") from None
     for key in keys:
         hit = _LAYER_KEY.search(key)
-        if not any(p in key for p in PARTS) or hit is None or int(hit.group(1)) not in keep:
-            raise ValueError(f"{folder}: {key} adapts a weight outside the device's layers "
-                             f"{sorted(keep)}")
-    merged = PeftModel.from_pretrained(model, str(folder)).merge_and_unload()
-    return merged.eval()
+        if not any(p in key for p in PARTS) or hit is None:
+            raise ValueError(f"{folder}: {key} is not a LoRA weight of a decoder layer")
+        if int(hit.group(1)) not in keep:
+            raise ValueError(f"{folder}: {key} adapts layer {hit.group(1)}, outside the device's "
+                             f"layers {sorted(keep)}")
+    try:
+        peft = PeftModel.from_pretrained(model, str(folder))
+    except (RuntimeError, ValueError, KeyError, TypeError) as exc:  # shapes or config of another model
+        raise ValueError(f"{folder}: does not fit this model ({str(exc).splitlines()[0][:160]})") from None
+    # every weight in the file is used and every module the config adapts has its weights
+    expected = set(get_peft_model_state_dict(peft))
+    if expected != set(keys):
+        odd = sorted(set(keys) - expected) or sorted(expected - set(keys))
+        what = "unused by its config" if set(keys) - expected else "missing from the file"
+        raise ValueError(f"{folder}: {len(odd)} LoRA weight(s) {what}, e.g. {odd[0]}")
+    return peft.merge_and_unload().eval()

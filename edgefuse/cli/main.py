@@ -192,7 +192,9 @@ def _cloud(argv: list[str]) -> int:
     g = sub.add_parser("generate", help="complete a prompt (--prompt) or chat through the cloud link")
     g.add_argument("--mode", default="spec_async", choices=["all", "edge", "cloud", "spec_sync", "spec_async",
                                                             "fusion_static", "fusion_adaptive", "split",
-                                                            "split_spec"])
+                                                            "split_spec"],
+                   help="the decoding mode (default spec_async); all = every mode but split and "
+                        "split_spec, which load the target's layers and are asked by name")
     g.add_argument("--prompt", default=None, help="one prompt; without it: an interactive chat")
     g.add_argument("--model", default="qwen2.5-coder-0.5b", help="the edge model (default qwen2.5-coder-0.5b)")
     g.add_argument("--adapter", default=None, help="a PEFT adapter folder (a run's adapters/round_NNN/<model>)")
@@ -233,6 +235,9 @@ def _cloud(argv: list[str]) -> int:
                    help="with --mask corpus: how many tokens it keeps (default 32768)")
     g.add_argument("--head-topk", type=int, default=0,
                    help="with --head-split: 0 = the whole mask 8-bit (default), k = its top-k")
+    g.add_argument("--fill", default="drop", choices=["drop", "bound"],
+                   help="with --head-topk: a mask token the cloud did not send is left out (drop, "
+                        "default) or scored at an upper bound of its logit (bound)")
     g.add_argument("--stream-block", type=int, default=0,
                    help="split modes: prompt rows per pipelined MID (default 0 = the whole prompt in one)")
     g.add_argument("--split-adapter", default=None, metavar="DIR",

@@ -145,7 +145,7 @@ def run(args) -> int:
 
         split = load_split_device(args.target, SplitSettings(
             k=args.split_k, m=args.split_m, head_split=args.head_split, act=args.split_act,
-            mask=args.mask, mask_size=args.mask_size, head_topk=args.head_topk,
+            mask=args.mask, mask_size=args.mask_size, head_topk=args.head_topk, fill=args.fill,
             stream_block=args.stream_block, adapter=args.split_adapter), root=paths.cache_dir)
         if args.mask == "corpus":
             from edgefuse.cloud.devices import with_corpus_mask

@@ -288,14 +288,21 @@ class CloudLink:
         """OPEN a split-inference session (no prompt ids: the prompt goes as the first MID's
         activations) under the cache tuple ``auth`` (None = keep everything); ``offset``:
         committed rows before the first MID's window. Returns the cloud's :class:`Opened`
-        (its ``split`` echoes the accepted split). Raises
+        (its ``split`` echoes the accepted split); answers to an earlier session still in
+        flight are skipped. Raises
         :class:`edgefuse.cloud.protocol.RemoteError` (``split``: a split this cloud does not
         serve; ``busy``, ``fingerprint``, ...), ``TimeoutError``, :class:`CloudUnavailable`,
         :class:`edgefuse.cloud.protocol.ProtocolError` for an unexpected answer."""
-        reply = self.request(P.Open(prompt=[], fingerprint=fingerprint,
-                                    auth=auth if auth is not None else P.CloudAuth(),
-                                    offset=int(offset), split=split), timeout_s)
-        if not isinstance(reply, P.Opened) or reply.split != split:
+        self.round_trips += 1
+        self.send(P.Open(prompt=[], fingerprint=fingerprint,
+                         auth=auth if auth is not None else P.CloudAuth(),
+                         offset=int(offset), split=split))
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:  # answers to the previous session still in flight (a late top-k) are skipped
+            reply = self.recv(None if deadline is None else max(deadline - time.monotonic(), 0.0))
+            if isinstance(reply, P.Opened):
+                break
+        if reply.split != split:
             raise P.ProtocolError(f"expected OPENED for split {split}, got {reply!r:.120}")
         self.opened = reply
         return reply

@@ -162,7 +162,7 @@ class GammaController:
         return measured_ms / (1 + self.verify_growth * gamma)
 
     def choose(self, draft_ms: float, rtt_ms: float, verify_ms: float, overlap: bool = False,
-               measured: dict[int, float] | None = None) -> int:
+               measured: dict[int, float] | None = None, settled=None) -> int:
         """The γ with the highest modelled tokens/s (ties: the smaller γ). Times in ms;
         ``verify_ms`` is the one-token verify time.
 
@@ -170,8 +170,9 @@ class GammaController:
         measured γ's remote cost is its measurement, not the model's: a CPU's matrix kernels
         are not smooth in the rows (on one core of this machine the 1.5B target's forward
         costs about the same for 1 to 3 rows and twice that for 4 to 6). With ``measured``
-        given, a γ next to the best that was never measured is returned first, once (a
-        deterministic local search), so the table learns the costs around the best."""
+        given, a γ next to the best that is not ``settled`` (default: not measured) is returned
+        first (a deterministic local search), so the table learns the costs around the best
+        and one slow measurement does not bar a γ for good."""
         if self.fixed is not None:
             return int(self.fixed)
         alpha = min(max(self.alpha, 0.0), 0.99)
@@ -185,7 +186,8 @@ class GammaController:
             if rate > best_rate + 1e-12:
                 best, best_rate = g, rate
         if measured is not None:
+            known = measured if settled is None else settled
             for g in (best - 1, best + 1):
-                if self.gamma_min <= g <= self.gamma_max and g not in measured:
+                if self.gamma_min <= g <= self.gamma_max and g not in known:
                     return g
         return best

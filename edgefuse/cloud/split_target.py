@@ -90,8 +90,14 @@ class SplitPolicy:
     @classmethod
     def from_config(cls, node) -> "SplitPolicy":
         """From a config mapping ``{allowed: any | [{k, m}, ...], head_split: bool, acts:
-        [...]}`` (missing keys keep their defaults)."""
+        [...]}`` (missing keys keep their defaults). Raises ``ValueError`` for a value that is
+        not a mapping or an unknown key (a misspelt restriction must not serve any split)."""
+        if node is not None and not hasattr(node, "keys"):
+            raise ValueError(f"split policy must be a mapping {{allowed, head_split, acts}}, got {node!r:.80}")
         node = dict(node or {})
+        unknown = sorted(set(map(str, node)) - {"allowed", "head_split", "acts"})
+        if unknown:
+            raise ValueError(f"split policy: unknown key(s) {', '.join(unknown)} (known: allowed, head_split, acts)")
         allowed = node.get("allowed", "any")
         if allowed != "any":
             if isinstance(allowed, (str, bytes, dict)) or not hasattr(allowed, "__iter__"):

@@ -9,6 +9,7 @@ cloud that dies mid-way leaves an edge-only continuation."""
 from __future__ import annotations
 
 import copy
+import shutil
 
 import numpy as np
 import pytest
@@ -207,6 +208,37 @@ def test_corpus_mask_goes_once_as_a_bitmap_and_bounds_the_output(tiny, service):
         dec.split.session(link, P.CloudAuth(), 10.0)
 
 
+def test_a_late_answer_or_a_refused_split_never_breaks_the_next_generation(tiny, service):
+    """A fusion answer that misses its 1 ms deadline arrives during the next split OPEN: it
+    is skipped, and the split gives the target's tokens. A split the service refuses (its
+    policy takes float16 rows only) raises, leaves no split session behind, and the next
+    plain generation on the same decoder and link gives the target's tokens."""
+    from edgefuse.cloud.split_target import SplitPolicy
+
+    target, _, tok, _ = tiny
+    link = CloudLink.connect("127.0.0.1", service.port, WanProfile(40.0, float("inf")),
+                             timeout_s=10, **device_keys())
+    dec, link = decoder(tiny, service, SplitSettings(k=1, m=1, act="float16"), link=link)
+    with link:
+        dec.generate("fusion_static", PROMPTS[1], DecodeConfig(max_new_tokens=3, deadline_ms=1))
+        res = dec.generate("split", PROMPTS[0], DecodeConfig(max_new_tokens=N))
+        assert res.fallback is None and res.tokens == target_greedy(target, PROMPTS[0], N)
+    strict = CloudService(Target(target, tok, "tiny"), "127.0.0.1", 0,
+                          split=SplitTarget(copy.deepcopy(target), tok, "tiny", SplitPolicy(acts=("float16",)),
+                                            max_context=256, max_batch_tokens=512), **service_keys())
+    strict.start_in_thread()
+    try:
+        dec, link = decoder(tiny, strict, SplitSettings(k=1, m=1, act="int8"))
+        with link:
+            with pytest.raises(P.RemoteError, match="split"):
+                dec.generate("split", PROMPTS[0], DecodeConfig(max_new_tokens=N))
+            assert dec._session is None
+            res = dec.generate("cloud", PROMPTS[0], DecodeConfig(max_new_tokens=N))
+            assert res.fallback is None and res.tokens == target_greedy(target, PROMPTS[0], N)
+    finally:
+        strict.stop()
+
+
 def test_split_cloud_gone_mid_generation_falls_back_to_the_edge(tiny, service):
     """The cloud refuses a request mid-way (its session was revoked under it): the tokens
     before are the target's, the rest the edge model's greedy continuation, and the
@@ -350,3 +382,17 @@ def test_device_lora_on_its_own_layers_gives_the_merged_model_and_stays_on_the_d
         merge_local_adapter(copy.deepcopy(target), tmp_path / "middle", [0, 3])
     with pytest.raises(ValueError, match="not a PEFT adapter folder"):
         merge_local_adapter(copy.deepcopy(target), tmp_path, [0, 3])
+    # weights the config does not use, or a config wider than its weights: refused, not
+    # merged as a silent no-op or with random deltas
+    from safetensors.torch import load_file, save_file
+
+    good = load_file(str(tmp_path / "lora" / "adapter_model.safetensors"))
+    for name, state in (("renamed", {k.replace("self_attn", "xattn"): v for k, v in good.items()}),
+                        ("partial", {k: v for k, v in good.items() if "layers.0." in k})):
+        shutil.copytree(tmp_path / "lora", tmp_path / name)
+        save_file(state, str(tmp_path / name / "adapter_model.safetensors"))
+        with pytest.raises(ValueError, match="unused by its config" if name == "renamed" else "missing from the file"):
+            merge_local_adapter(copy.deepcopy(target), tmp_path / name, [0, 3])
+    (tmp_path / "partial" / "adapter_model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="unreadable"):
+        merge_local_adapter(copy.deepcopy(target), tmp_path / "partial", [0, 3])

@@ -585,6 +585,8 @@ def test_split_policy_from_config():
     assert SplitPolicy.from_config({}).permits(5, 3)  # "any" by default
     for bad, match in (({"allowed": "some"}, "list of"), ({"allowed": [{"k": 1}]}, "entries"),
                        ({"allowed": [{"k": 0, "m": 1}]}, "k >= 1"), ({"head_split": "yes"}, "bool"),
-                       ({"acts": ["int4"]}, "subset"), ({"acts": []}, "subset")):
+                       ({"acts": ["int4"]}, "subset"), ({"acts": []}, "subset"),
+                       # a misspelt restriction must not serve any split
+                       ({"alowed": [{"k": 1, "m": 0}]}, "unknown key"), ([1], "must be a mapping")):
         with pytest.raises(ValueError, match=match):
             SplitPolicy.from_config(bad)

@@ -50,6 +50,7 @@ token for token.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import time
 from dataclasses import asdict
@@ -66,6 +67,7 @@ from edgefuse.cloud.fusion import FusionConfig, fuse
 from edgefuse.cloud.speculative import GammaController
 
 SPEC_MODES = ("spec_sync", "spec_async", "split_spec")  # the modes that draft with the decoder's drafter
+ROUND_TRIP_SAMPLES = 3  # round trips per γ whose median is its cost (fewer: tried again)
 
 
 def _poll(link):
@@ -108,10 +110,12 @@ class Decoder:
         self.rtt_ms = rtt_ms
         self.draft_ms = 50.0
         self.verify_ms = 100.0
-        # per mode, γ -> the round trip (ms) measured for blocks of γ drafts (EMA): the γ
-        # controller's cost table, kept across generations
+        # per mode, γ -> the round trip (ms) of blocks of γ drafts (the median of the last
+        # ROUND_TRIP_SAMPLES): the γ controller's cost table, kept across generations
         self.round_trip_ms: dict[str, dict[int, float]] = {}
+        self._samples: dict[str, dict[int, collections.deque]] = {}
         self._measured: dict[int, float] = {}
+        self._mode_samples: dict[int, collections.deque] = {}
         self._req = 0
         self._held = 0  # mirror: committed tokens the cloud holds after the last request
 
@@ -132,7 +136,9 @@ class Decoder:
         if mode in SPLIT_MODES and self.split is None:
             raise DecodeError(f"mode {mode!r} needs the target's device layers (cloud.split)")
         res = DecodeResult(mode=mode, tokens=[])
-        self._measured = self.round_trip_ms.setdefault(mode, {})
+        table = mode + ("/sync" if mode == "split_spec" and not cfg.split_pipeline else "")
+        self._measured = self.round_trip_ms.setdefault(table, {})
+        self._mode_samples = self._samples.setdefault(table, {})
         gen = torch.Generator().manual_seed(cfg.seed)
         t0 = time.perf_counter()
         c0 = self._counters()
@@ -148,9 +154,16 @@ class Decoder:
                     self._session.open(prompt)
                 else:
                     self._open(prompt, cfg)
-            except (ConnectionError, TimeoutError, OSError, P.RemoteError) as exc:
-                if isinstance(exc, P.RemoteError) and exc.code != "busy":
-                    raise  # a refused pair (fingerprint, context) is an error, not an outage
+            except BaseException as exc:
+                self._session = None  # a split that did not open serves no later mode
+                if not isinstance(exc, (ConnectionError, OSError)):
+                    try:  # the cloud may hold a session it opened late or we refused: end it
+                        self.link.send(P.Close())
+                    except (ConnectionError, OSError):
+                        pass
+                if not isinstance(exc, (ConnectionError, TimeoutError, OSError, P.RemoteError)) \
+                        or (isinstance(exc, P.RemoteError) and exc.code != "busy"):
+                    raise  # a refused pair (fingerprint, context), a lying cloud: an error, not an outage
                 res.fallback = f"cloud unavailable at the start ({exc}); edge only"
                 mode, res.drafter = "edge", None
                 self.edge.sync(prompt)
@@ -317,7 +330,9 @@ class Decoder:
 
     def _choose(self, ctl: GammaController, overlap: bool = False) -> int:
         """The controller's γ from the decoder's timings and this mode's measured round trips."""
-        return ctl.choose(self.draft_ms, self.rtt_ms, self.verify_ms, overlap=overlap, measured=self._measured)
+        settled = {g for g, d in self._mode_samples.items() if len(d) == ROUND_TRIP_SAMPLES}
+        return ctl.choose(self.draft_ms, self.rtt_ms, self.verify_ms, overlap=overlap,
+                          measured=self._measured, settled=settled)
 
     def _time_round_trip(self, rt_ms: float, ctl: GammaController, gamma: int) -> None:
         """Split a measured round trip (ms) into the assumed RTT and the cloud's verify time,
@@ -325,9 +340,10 @@ class Decoder:
         cost of a block of ``gamma`` drafts."""
         base = ctl.verify_base_ms(max(rt_ms - self.rtt_ms, 1.0), gamma)
         self.verify_ms = 0.7 * self.verify_ms + 0.3 * base
-        if gamma > 0:
-            old = self._measured.get(gamma)
-            self._measured[gamma] = rt_ms if old is None else 0.7 * old + 0.3 * rt_ms
+        if gamma > 0:  # the median: one slow block (a stall) does not set a γ's cost
+            d = self._mode_samples.setdefault(gamma, collections.deque(maxlen=ROUND_TRIP_SAMPLES))
+            d.append(rt_ms)
+            self._measured[gamma] = float(np.median(d))
 
     def _send_block(self, committed: list[int], draft: Draft, cfg):
         """Send the block ``draft`` on top of ``committed``: a VERIFY, or through the split
