@@ -244,12 +244,10 @@ def main(argv=None) -> int:
     softcap = getattr(model.config, "final_logit_softcapping", None)
     masks = {m: Vb.vocab_mask(tok, m, vocab_size=V) for m in args.masks}
     if args.corpus_masks:
-        from edgefuse.cloud.decoding.drafters import frequent_token_ids
-        from edgefuse.cloud.devices import public_corpus
+        from edgefuse.cloud.devices import corpus_mask_ids
 
-        corpus = public_corpus(cfg.data, int(cfg.seed), tok)
         for n in args.corpus_masks:
-            ids = frequent_token_ids(tok, corpus, n).numpy()
+            ids = corpus_mask_ids(tok, cfg.data, int(cfg.seed), n)
             masks[f"corpus{n // 1024}k" if n % 1024 == 0 else f"corpus{n}"] = \
                 Vb.vocab_mask(tok, Vb.EXPLICIT, vocab_size=V, ids=ids[ids < V])
     table = variants(list(masks), args.ks)

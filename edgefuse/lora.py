@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 from typing import Sequence
 
@@ -29,6 +28,7 @@ from edgefuse import packing
 from edgefuse.aggregation import (ClientUpdate, MalformedUpdateError, module_shapes, split_key,
                                   validate_update)
 from edgefuse.io import atomic_write_dir
+from edgefuse.models import LAYER_KEY
 
 __all__ = [
     "MalformedUpdateError", "PEFT_PREFIX", "PARTS", "attach_lora", "get_adapter_state",
@@ -247,8 +247,6 @@ def save_peft_adapter(
     return out
 
 
-_LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")  # a decoder layer's index in a weight's name
-
 
 def merge_local_adapter(model, adapter_dir: str | os.PathLike, layers: Sequence[int]):
     """Merge a PEFT LoRA folder into ``model``'s decoder ``layers`` only, and return the
@@ -291,7 +289,7 @@ def merge_local_adapter(model, adapter_dir: str | os.PathLike, layers: Sequence[
     except Exception as exc:  # safetensors' own error types: a corrupt or truncated file
         raise ValueError(f"{weights}: unreadable ({type(exc).__name__}: {str(exc)[:120]})") from None
     for key in keys:
-        hit = _LAYER_KEY.search(key)
+        hit = LAYER_KEY.search(key)
         if not any(p in key for p in PARTS) or hit is None:
             raise ValueError(f"{folder}: {key} is not a LoRA weight of a decoder layer")
         if int(hit.group(1)) not in keep:

@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -379,6 +380,9 @@ def load_model(name: str, root: str | os.PathLike | None = None, allow_fetch: bo
     return model, tok
 
 
+LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")  # a decoder layer's index in a weight's name
+
+
 def _identity():
     import torch
 
@@ -389,8 +393,6 @@ def _load_layers(path: str, layers):
     """A causal LM of the folder ``path`` with only the decoder ``layers`` (and everything
     outside the decoder layers) read from its safetensors; the other layers are
     ``nn.Identity``. Raises ``ValueError`` if a weight the kept parts need is missing."""
-    import re
-
     import torch
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -403,12 +405,11 @@ def _load_layers(path: str, layers):
     for i in range(len(body.layers)):
         if i not in keep:
             body.layers[i] = _identity()
-    pattern = re.compile(r"(?:^|\.)layers\.(\d+)\.")
     state = {}
     for file in sorted(Path(path).glob("*.safetensors")):
         with safe_open(str(file), "pt") as f:
             for key in f.keys():
-                hit = pattern.search(key)
+                hit = LAYER_KEY.search(key)
                 if hit is None or int(hit.group(1)) in keep:
                     state[key] = f.get_tensor(key).float()
     model.load_state_dict(state, strict=False, assign=True)

@@ -297,11 +297,7 @@ class CloudLink:
         self.send(P.Open(prompt=[], fingerprint=fingerprint,
                          auth=auth if auth is not None else P.CloudAuth(),
                          offset=int(offset), split=split))
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:  # answers to the previous session still in flight (a late top-k) are skipped
-            reply = self.recv(None if deadline is None else max(deadline - time.monotonic(), 0.0))
-            if isinstance(reply, P.Opened):
-                break
+        reply = self.recv_until(P.Opened, timeout_s)
         if reply.split != split:
             raise P.ProtocolError(f"expected OPENED for split {split}, got {reply!r:.120}")
         self.opened = reply
@@ -317,12 +313,17 @@ class CloudLink:
         ERROR answering an earlier request), ``TimeoutError``, :class:`CloudUnavailable`."""
         self.round_trips += 1
         self.send(P.Auth(auth))
+        return int(self.recv_until(P.Authed, timeout_s).held)
+
+    def recv_until(self, kind: type, timeout_s: float | None = None):
+        """The next message of type ``kind``, skipping answers to earlier requests still in
+        flight (a late top-k, an earlier session's MIDOUT), within ``timeout_s`` in all (None:
+        wait). Raises what :meth:`recv` raises (``TimeoutError`` when time runs out)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            reply = self.recv(left)
-            if isinstance(reply, P.Authed):
-                return int(reply.held)
+            msg = self.recv(None if deadline is None else max(deadline - time.monotonic(), 0.0))
+            if isinstance(msg, kind):
+                return msg
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Send CLOSE (after every queued message, honouring the WAN delay, waiting at most

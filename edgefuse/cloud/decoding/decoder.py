@@ -70,6 +70,11 @@ SPEC_MODES = ("spec_sync", "spec_async", "split_spec")  # the modes that draft w
 ROUND_TRIP_SAMPLES = 3  # round trips per γ whose median is its cost (fewer: tried again)
 
 
+def _medians(samples: dict) -> dict[int, float]:
+    """γ -> the median of its round-trip samples (ms)."""
+    return {g: float(np.median(d)) for g, d in samples.items()}
+
+
 def _poll(link):
     """The next message if one has arrived, else None (never waits)."""
     try:
@@ -110,11 +115,9 @@ class Decoder:
         self.rtt_ms = rtt_ms
         self.draft_ms = 50.0
         self.verify_ms = 100.0
-        # per mode, γ -> the round trip (ms) of blocks of γ drafts (the median of the last
-        # ROUND_TRIP_SAMPLES): the γ controller's cost table, kept across generations
-        self.round_trip_ms: dict[str, dict[int, float]] = {}
+        # per mode, γ -> the last ROUND_TRIP_SAMPLES round trips (ms) of blocks of γ drafts:
+        # the γ controller's cost table (round_trip_ms), kept across generations
         self._samples: dict[str, dict[int, collections.deque]] = {}
-        self._measured: dict[int, float] = {}
         self._mode_samples: dict[int, collections.deque] = {}
         self._req = 0
         self._held = 0  # mirror: committed tokens the cloud holds after the last request
@@ -137,7 +140,6 @@ class Decoder:
             raise DecodeError(f"mode {mode!r} needs the target's device layers (cloud.split)")
         res = DecodeResult(mode=mode, tokens=[])
         table = mode + ("/sync" if mode == "split_spec" and not cfg.split_pipeline else "")
-        self._measured = self.round_trip_ms.setdefault(table, {})
         self._mode_samples = self._samples.setdefault(table, {})
         gen = torch.Generator().manual_seed(cfg.seed)
         t0 = time.perf_counter()
@@ -328,11 +330,16 @@ class Decoder:
         pending = self._send_block(committed, draft, cfg)
         return self._take_block(pending, self.link.recv(timeout_s=cfg.timeout_s), committed, draft, cfg)
 
+    @property
+    def round_trip_ms(self) -> dict[str, dict[int, float]]:
+        """Per mode (``split_spec/sync`` apart), γ -> the median of its last round trips (ms)."""
+        return {mode: _medians(s) for mode, s in self._samples.items()}
+
     def _choose(self, ctl: GammaController, overlap: bool = False) -> int:
         """The controller's γ from the decoder's timings and this mode's measured round trips."""
         settled = {g for g, d in self._mode_samples.items() if len(d) == ROUND_TRIP_SAMPLES}
         return ctl.choose(self.draft_ms, self.rtt_ms, self.verify_ms, overlap=overlap,
-                          measured=self._measured, settled=settled)
+                          measured=_medians(self._mode_samples), settled=settled)
 
     def _time_round_trip(self, rt_ms: float, ctl: GammaController, gamma: int) -> None:
         """Split a measured round trip (ms) into the assumed RTT and the cloud's verify time,
@@ -340,10 +347,8 @@ class Decoder:
         cost of a block of ``gamma`` drafts."""
         base = ctl.verify_base_ms(max(rt_ms - self.rtt_ms, 1.0), gamma)
         self.verify_ms = 0.7 * self.verify_ms + 0.3 * base
-        if gamma > 0:  # the median: one slow block (a stall) does not set a γ's cost
-            d = self._mode_samples.setdefault(gamma, collections.deque(maxlen=ROUND_TRIP_SAMPLES))
-            d.append(rt_ms)
-            self._measured[gamma] = float(np.median(d))
+        if gamma > 0:  # its cost is the median: one slow block (a stall) does not set it
+            self._mode_samples.setdefault(gamma, collections.deque(maxlen=ROUND_TRIP_SAMPLES)).append(rt_ms)
 
     def _send_block(self, committed: list[int], draft: Draft, cfg):
         """Send the block ``draft`` on top of ``committed``: a VERIFY, or through the split
