@@ -8,6 +8,7 @@ The update a module adds is ``ΔW = (alpha / r) · B A`` (peft's default scaling
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -34,6 +35,7 @@ __all__ = [
     "MalformedUpdateError", "PEFT_PREFIX", "PARTS", "attach_lora", "get_adapter_state",
     "set_adapter_state", "pack_adapter", "unpack_adapter", "adapter_nbytes",
     "save_peft_adapter", "lora_scaling", "check_received_adapter", "merge_local_adapter",
+    "state_digest", "adapter_hash", "merged_state_dict",
 ]
 
 # Prefix of peft's keys, in get_peft_model_state_dict and in adapter_model.safetensors.
@@ -306,3 +308,69 @@ def merge_local_adapter(model, adapter_dir: str | os.PathLike, layers: Sequence[
         what = "unused by its config" if set(keys) - expected else "missing from the file"
         raise ValueError(f"{folder}: {len(odd)} LoRA weight(s) {what}, e.g. {odd[0]}")
     return peft.merge_and_unload().eval()
+
+
+def state_digest(state: dict) -> str:
+    """Full sha256 (hex) of a state dict as float32: what :func:`adapter_hash` truncates.
+
+    Per key in sorted order: a JSON header ``[key, shape, "<f4"]``, the byte count, then the
+    values as little-endian float32. So the digest depends on keys, shapes and values only,
+    not on the in-memory dtype (a float64 copy of the same float32 values hashes the same).
+    Accepts numpy arrays or CPU torch tensors.
+    """
+    h = hashlib.sha256()
+    for key in sorted(state):
+        value = state[key]
+        if isinstance(value, torch.Tensor):
+            value = value.detach().to("cpu", torch.float32).numpy()
+        a = np.ascontiguousarray(value, dtype="<f4")
+        h.update(json.dumps([key, list(a.shape), "<f4"]).encode())
+        h.update(a.nbytes.to_bytes(8, "little"))
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def adapter_hash(state: dict[str, np.ndarray] | None) -> str:
+    """Short stable id of a LoRA adapter state: ``state_digest(state)[:16]``; ``"base"`` for
+    ``None`` (no adapter: the base model). An empty dict is an adapter with no modules and
+    hashes like any other state."""
+    return "base" if state is None else state_digest(state)[:16]
+
+
+def merged_state_dict(model) -> dict[str, torch.Tensor]:
+    """The base model's weights with the active LoRA updates added (``W + (alpha / r) · B A``,
+    peft's own ``get_delta_weight``), named as the base model's checkpoint; ``model`` is left
+    as it was (nothing merged in place, so training can go on).
+
+    Args:
+        model: a ``PeftModel`` (or a plain model: its own weights).
+
+    Raises:
+        ValueError: a DoRA adapter (its update depends on the weight norm; export a merged
+            copy instead) or an adapter with ``modules_to_save``.
+    """
+    from peft.tuners.lora import LoraLayer
+
+    if not isinstance(model, PeftModel):
+        return {k: v.detach() for k, v in model.state_dict().items()}
+    for name, config in model.peft_config.items():
+        if getattr(config, "use_dora", False):
+            raise ValueError(f"adapter {name!r} is a DoRA adapter; only plain LoRA is merged for export")
+        if getattr(config, "modules_to_save", None):
+            raise ValueError(f"adapter {name!r} has modules_to_save; only plain LoRA is merged for export")
+    base = model.get_base_model()
+    deltas: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, module in base.named_modules():
+            if isinstance(module, LoraLayer) and not getattr(module, "merged", False):
+                for adapter in module.active_adapters:
+                    if adapter in module.lora_A:
+                        d = module.get_delta_weight(adapter).detach()
+                        deltas[name + ".weight"] = deltas.get(name + ".weight", 0) + d
+        out = {}
+        for key, value in base.state_dict().items():
+            if ".lora_" in key:
+                continue
+            key = key.replace(".base_layer.", ".")
+            out[key] = value.detach() + deltas[key] if key in deltas else value.detach()
+    return out

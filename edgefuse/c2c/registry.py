@@ -73,6 +73,7 @@ from safetensors.torch import save as st_save
 from edgefuse import packing
 from edgefuse.io import atomic_write_dir
 from edgefuse.aggregation import module_shapes, split_key
+from edgefuse.lora import adapter_hash, state_digest  # noqa: F401  (re-exported)
 
 __all__ = [
     "ARCHIVE_MEMBERS", "FORMAT_VERSION", "MAX_WEIGHTS_BYTES", "PACK_PART", "FuserArchiveError",
@@ -110,33 +111,6 @@ class FuserIntegrityError(FuserVersionError):
 
 def _canonical_json(obj) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False)
-
-
-def state_digest(state: dict) -> str:
-    """Full sha256 (hex) of a state dict as float32: what :func:`adapter_hash` truncates.
-
-    Per key in sorted order: a JSON header ``[key, shape, "<f4"]``, the byte count, then the
-    values as little-endian float32. So the digest depends on keys, shapes and values only,
-    not on the in-memory dtype (a float64 copy of the same float32 values hashes the same).
-    Accepts numpy arrays or CPU torch tensors.
-    """
-    h = hashlib.sha256()
-    for key in sorted(state):
-        value = state[key]
-        if isinstance(value, torch.Tensor):
-            value = value.detach().to("cpu", torch.float32).numpy()
-        a = np.ascontiguousarray(value, dtype="<f4")
-        h.update(json.dumps([key, list(a.shape), "<f4"]).encode())
-        h.update(a.nbytes.to_bytes(8, "little"))
-        h.update(a.tobytes())
-    return h.hexdigest()
-
-
-def adapter_hash(state: dict[str, np.ndarray] | None) -> str:
-    """Short stable id of a LoRA adapter state: ``state_digest(state)[:16]``; ``"base"`` for
-    ``None`` (no adapter: the base model). An empty dict is an adapter with no modules and
-    hashes like any other state."""
-    return "base" if state is None else state_digest(state)[:16]
 
 
 def config_hash(fuser_config: dict) -> str:

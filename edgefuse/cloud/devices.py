@@ -10,9 +10,10 @@ prompts at the same time, so the service batches their requests.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -21,7 +22,10 @@ from edgefuse.eval import stats
 from edgefuse.eval.queries import Query, gsm8k_final, prompt_split, rouge_l
 
 from edgefuse.cloud.decoding import (MODES, DecodeConfig, DecodeResult, Decoder, DraftBatcher, DrafterSpec,
-                                     EdgeLM, drafter_factory)
+                                     EdgeLM, OnnxEdgeLM, drafter_factory)
+
+log = logging.getLogger(__name__)
+ONNX_FULL_HEAD = ("pruned_head", "shallow")  # drafters that need the model's insides
 
 ROW_FIELDS = ("mode", "rtt_ms", "devices", "tokens_per_s", "aggregate_tokens_per_s",
               "round_trips_per_token", "bytes_down_per_token", "bytes_up_per_token",
@@ -123,7 +127,8 @@ def run_devices(model, tok, queries: list[Query], modes: list[str], cfg: DecodeC
                 connect_timeout_s: float = 30.0, progress=None,
                 batch_devices: bool = True,
                 drafter: DrafterSpec | None = None, identity=None, trust=None,
-                device_keys=None, insecure: bool = False, split=None) -> tuple[list[Record], dict[str, float]]:
+                device_keys=None, insecure: bool = False, split=None,
+                runtime=None) -> tuple[list[Record], dict[str, float]]:
     """Decode every query in every mode with ``devices`` concurrent sessions.
 
     Queries are dealt round-robin to the devices; modes run one after another, each with all
@@ -141,6 +146,10 @@ def run_devices(model, tok, queries: list[Query], modes: list[str], cfg: DecodeC
     devices); ``insecure``: anonymous links (the benchmark's "auth off" column only).
     ``split``: the target's device layers for ``split`` / ``split_spec``
     (:func:`edgefuse.cloud.decoding.split.load_split_device`; shared by the devices).
+    ``runtime``: an :class:`~edgefuse.runtime.OnnxDecoder` the devices run instead of
+    ``model`` (the ``edge`` profile; each device an :class:`~edgefuse.cloud.decoding.OnnxEdgeLM`
+    over it, unbatched). It has no hidden states, so a ``pruned_head`` or ``shallow`` drafter
+    becomes ``full_head`` (logged; the rows name the drafter used).
 
     Returns:
         ``(records, wall_s)``: one :class:`Record` per (query, mode), and the wall time of
@@ -163,13 +172,19 @@ def run_devices(model, tok, queries: list[Query], modes: list[str], cfg: DecodeC
     need_link = any(m != "edge" for m in modes)
     prompts = [prompt_ids(q, tok, max_prompt_tokens) for q in queries]
     batcher = None
-    if batch_devices and devices > 1:
+    if batch_devices and devices > 1 and runtime is None:
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         batcher = DraftBatcher(model, int(pad or 0))
     if drafter is None:
         drafter = DrafterSpec("pruned_head" if head is not None else "full_head")
+    if runtime is not None and drafter.name in ONNX_FULL_HEAD:
+        log.warning("the edge runtime drafts with the full head (int8 in the graph), not %s", drafter.name)
+        drafter, head = replace(drafter, name="full_head"), None
     make_drafter = drafter_factory(drafter, head)
-    edges = [EdgeLM(model, tok, batcher=batcher) for _ in range(devices)]
+    if runtime is not None:
+        edges = [OnnxEdgeLM(runtime, tok) for _ in range(devices)]
+    else:
+        edges = [EdgeLM(model, tok, batcher=batcher) for _ in range(devices)]
     drafters = [make_drafter(e) for e in edges]  # before any link: a bad drafter leaks none
     rtt = wan.rtt_ms if wan is not None else 1.0
     if device_keys is not None and len(device_keys) < devices:

@@ -11,11 +11,11 @@ from edgefuse.cloud.decoding.decoder import Decoder
 from edgefuse.cloud.decoding.drafters import (DRAFTERS, Draft, Drafter, DrafterSpec, DraftHead,
                                               FullHeadDrafter, NgramDrafter, PrunedHeadDrafter,
                                               ShallowDrafter, drafter_factory, drafter_for)
-from edgefuse.cloud.decoding.edge import EdgeLM
+from edgefuse.cloud.decoding.edge import EdgeLM, OnnxEdgeLM
 from edgefuse.cloud.decoding.result import DecodeResult
 
 __all__ = ["DRAFTERS", "LINK_MODES", "MODES", "DecodeConfig", "DecodeError", "DecodeResult",
            "Decoder", "Draft", "DraftBatcher", "DraftHead", "Drafter", "DrafterSpec", "EdgeLM",
-           "FullHeadDrafter", "NgramDrafter", "PrunedHeadDrafter", "ShallowDrafter",
+           "FullHeadDrafter", "NgramDrafter", "OnnxEdgeLM", "PrunedHeadDrafter", "ShallowDrafter",
            "auth_from_config", "check_config", "decode_config", "drafter_factory", "drafter_for",
            "drafter_spec"]

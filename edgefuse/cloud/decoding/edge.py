@@ -32,12 +32,15 @@ class EdgeLM:
 
     def __init__(self, model, tok, head=None, batcher: DraftBatcher | None = None):
         self.model = model.eval()
-        self.tok = tok
         self.head = head
         self.batcher = batcher
-        self.vocab_size = int(model.config.vocab_size)
-        self.tokens: list[int] = []
         self.cache = DynamicCache()
+        self._init_tokens(tok, int(model.config.vocab_size))
+
+    def _init_tokens(self, tok, vocab_size: int) -> None:
+        self.tok = tok
+        self.vocab_size = vocab_size
+        self.tokens: list[int] = []
         eos = tok.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
         for extra in ("<|im_end|>", "<|endoftext|>", "<end_of_turn>"):
@@ -83,16 +86,61 @@ class EdgeLM:
             hidden, kv = self.batcher.run(layers, past, self.tokens[past:])
             self.cache = cache_from_layers(kv)
             return hidden[-1]
-        ids = torch.tensor([self.tokens[past:]])
-        pos = torch.arange(past, len(self.tokens)).unsqueeze(0)
+        dev = self.model.device
+        ids = torch.tensor([self.tokens[past:]], device=dev)
+        pos = torch.arange(past, len(self.tokens), device=dev).unsqueeze(0)
         out = self.model.get_decoder()(input_ids=ids, position_ids=pos, cache=self.cache, use_cache=True)
         self.cache = out.cache
         return out.last_hidden_state[0, -1]
 
     @torch.no_grad()
     def logits(self) -> torch.Tensor:
-        """Full-vocabulary next-token logits ``float32[V]`` (soft-capped as the model does,
-        e.g. Gemma)."""
-        out = self.model.get_output_embeddings()(self.hidden()).float()
+        """Full-vocabulary next-token logits ``float32[V]`` on the CPU (soft-capped as the
+        model does, e.g. Gemma)."""
+        out = self.model.get_output_embeddings()(self.hidden()).float().cpu()
         cap = getattr(self.model.config, "final_logit_softcapping", None)
         return torch.tanh(out / cap) * cap if cap else out
+
+
+class OnnxEdgeLM(EdgeLM):
+    """:class:`EdgeLM` on ONNX Runtime (the ``edge`` device profile, :mod:`edgefuse.runtime`):
+    the same tokens, rollback and logits, over an :class:`~edgefuse.runtime.OnnxDecoder` whose
+    KV cache (numpy arrays ``[1, kv_heads, P, head_size]`` per layer) this object holds.
+    Devices may share one decoder; each holds its own cache.
+
+    The export returns logits only, so there is no :meth:`hidden` (a pruned draft head has
+    nothing to score: the ``edge`` profile drafts with the full head, already int8 in the
+    graph)."""
+
+    def __init__(self, decoder, tok):
+        self.decoder = decoder
+        self.head = None
+        self.batcher = None
+        self.past = decoder.empty()
+        self._init_tokens(tok, decoder.vocab_size)
+
+    def start(self, prompt: list[int]) -> None:
+        self.tokens = list(prompt)
+        self.past = self.decoder.empty()
+        self._feed()
+
+    def rollback(self, n: int) -> None:
+        self.tokens = self.tokens[:n]
+        if self.decoder.length(self.past) > n:
+            self.past = self.decoder.crop(self.past, n)
+
+    def hidden(self) -> torch.Tensor:
+        raise NotImplementedError("the ONNX edge runtime exports logits, not hidden states")
+
+    def _feed(self):
+        """Feed the uncached tokens (at least the last one); their logits ``[S, V]``."""
+        past = self.decoder.length(self.past)
+        if past >= len(self.tokens):
+            past = len(self.tokens) - 1
+            self.past = self.decoder.crop(self.past, past)
+        logits, self.past = self.decoder.forward(self.tokens[past:], self.past)
+        return logits
+
+    def logits(self) -> torch.Tensor:
+        """Full-vocabulary next-token logits ``float32[V]``."""
+        return torch.from_numpy(self._feed()[-1].copy())

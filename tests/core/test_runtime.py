@@ -1,0 +1,182 @@
+"""Device runtimes: profiles, the ONNX export and its cache, and the runtime interface
+(prefill + steps + rollback) of the PyTorch and ONNX Runtime implementations on tiny models
+of each architecture, exported in the test."""
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxruntime_genai")
+
+from edgefuse.cloud.decoding import EdgeLM, OnnxEdgeLM  # noqa: E402
+from edgefuse.export import export_folder, export_onnx, is_exported  # noqa: E402
+from edgefuse.lora import attach_lora, get_adapter_state, merged_state_dict, set_adapter_state  # noqa: E402
+from edgefuse.models import tiny_model  # noqa: E402
+from edgefuse.runtime import DeviceProfile, OnnxDecoder, ProfileError  # noqa: E402
+
+TINY = {"tiny-llama": "llama", "tiny-qwen2": "qwen2", "tiny-gemma3": "gemma3_text"}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def exported(root):
+    """fp32 exports of the three tiny models (base weights)."""
+    return {name: export_onnx(name, "fp32", root=root) for name in TINY}
+
+
+def _prompt(tok, n=40, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(5, len(tok) - 1, (n,), generator=g).tolist()
+
+
+@pytest.mark.parametrize("name", list(TINY))
+def test_fp32_onnx_logits_match_pytorch(exported, name):
+    """Full-forward parity, on a prompt longer than Gemma 3's 16-token sliding window."""
+    model, tok = tiny_model(TINY[name])
+    ids = _prompt(tok)
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor([ids])).logits[0].numpy()
+    dec = OnnxDecoder(exported[name].folder)
+    logits, present = dec.forward(ids, dec.empty())
+    assert logits.shape == ref.shape
+    assert np.abs(logits - ref).max() < 1e-4
+    assert dec.length(present) == len(ids)
+
+
+@pytest.mark.parametrize("name", list(TINY))
+def test_runtime_conformance_prefill_steps_rollback(exported, name):
+    """Both implementations, driven through prefill, single steps, a rollback and a re-feed
+    of several tokens, give the next-token logits of one full forward at every point."""
+    model, tok = tiny_model(TINY[name])
+    ids = _prompt(tok, 30, seed=1)
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor([ids])).logits[0]
+    for lm in (EdgeLM(model, tok), OnnxEdgeLM(OnnxDecoder(exported[name].folder), tok)):
+        lm.start(ids[:10])
+        got = {9: lm.logits()}
+        for i in range(10, 20):
+            lm.push(ids[i])
+            got[i] = lm.logits()
+        lm.rollback(14)  # drop 6 tokens, then feed 5 at once
+        assert lm.tokens == ids[:14]
+        lm.sync(ids[:19])
+        got[18] = lm.logits()
+        lm.rollback(12)
+        lm.push(ids[12])
+        got[12] = lm.logits()
+        for i, row in got.items():
+            assert torch.allclose(row, ref[i], atol=1e-4), (type(lm).__name__, i)
+
+
+def test_greedy_decoding_identical(exported):
+    """A greedy continuation on the ONNX runtime equals PyTorch's, token for token."""
+    model, tok = tiny_model("llama")
+    ids = _prompt(tok, 12, seed=2)
+    outs = []
+    for lm in (EdgeLM(model, tok), OnnxEdgeLM(OnnxDecoder(exported["tiny-llama"].folder), tok)):
+        lm.start(ids)
+        for _ in range(16):
+            lm.push(int(lm.logits().argmax()))
+        outs.append(lm.tokens[len(ids):])
+    assert outs[0] == outs[1]
+
+
+def test_export_cache_keyed_by_adapter(root, exported):
+    """The same adapter reuses its export; a changed adapter re-exports into another folder,
+    and that export computes the merged model's logits."""
+    model, tok = tiny_model("llama")
+    peft = attach_lora(model, rank=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"], seed=0)
+    state = get_adapter_state(peft)
+    state = {k: (np.random.default_rng(0).normal(size=v.shape) * 0.2).astype(np.float32)
+             for k, v in state.items()}
+    set_adapter_state(peft, state)
+    first = export_onnx("tiny-llama", "fp32", model=peft, tok=tok, root=root)
+    assert not first.reused and first.adapter != "base" and first.export_s > 0
+    again = export_onnx("tiny-llama", "fp32", model=peft, tok=tok, root=root)
+    assert again.reused and again.folder == first.folder and again.export_s == 0
+    ids = _prompt(tok, 20, seed=3)
+    with torch.no_grad():
+        ref = peft(input_ids=torch.tensor([ids])).logits[0].numpy()
+        base = exported["tiny-llama"]
+        base_logits, _ = OnnxDecoder(base.folder).forward(ids, OnnxDecoder(base.folder).empty())
+    dec = OnnxDecoder(first.folder)
+    logits, _ = dec.forward(ids, dec.empty())
+    assert np.abs(logits - ref).max() < 1e-4
+    assert np.abs(base_logits - ref).max() > 1e-3  # the adapter matters
+    state2 = {k: v * 2 for k, v in state.items()}
+    set_adapter_state(peft, state2)
+    second = export_onnx("tiny-llama", "fp32", model=peft, tok=tok, root=root)
+    assert not second.reused and second.folder != first.folder and is_exported(first.folder)
+
+
+def test_merged_state_dict_leaves_model_unmerged():
+    model, tok = tiny_model("qwen2")
+    peft = attach_lora(model, rank=2, alpha=4, dropout=0.0, target_modules=["q_proj"], seed=0)
+    state = {k: np.full(v.shape, 0.1, np.float32) for k, v in get_adapter_state(peft).items()}
+    set_adapter_state(peft, state)
+    ids = torch.tensor([_prompt(tok, 8)])
+    with torch.no_grad():
+        before = peft(input_ids=ids).logits
+    merged = merged_state_dict(peft)
+    key = "model.layers.0.self_attn.q_proj.weight"
+    base_w = peft.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight
+    delta = (4 / 2) * torch.full((base_w.shape[0], 2), 0.1) @ torch.full((2, base_w.shape[1]), 0.1)
+    assert torch.allclose(merged[key], base_w + delta, atol=1e-6)
+    assert not any("lora_" in k or "base_layer" in k for k in merged)
+    with torch.no_grad():
+        assert torch.equal(peft(input_ids=ids).logits, before)
+
+
+def test_int8_export_runs_and_is_smaller(root, exported):
+    q = export_onnx("tiny-qwen2", "int8", root=root)
+    dec = OnnxDecoder(q.folder)
+    model, tok = tiny_model("qwen2")
+    ids = _prompt(tok, 16)
+    logits, _ = dec.forward(ids, dec.empty())
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor([ids])).logits[0].numpy()
+    assert logits.shape == ref.shape and np.isfinite(logits).all()
+    assert np.abs(logits - ref).max() < 0.1 * np.abs(ref).max()  # close, not equal
+    assert q.folder == export_folder("tiny-qwen2", "int8", "base", root)
+    size = lambda f: sum(p.stat().st_size for p in f.iterdir())  # noqa: E731
+    assert size(q.folder) < size(exported["tiny-qwen2"].folder)
+
+
+def test_onnx_decoder_refuses_bad_input(exported):
+    dec = OnnxDecoder(exported["tiny-llama"].folder)
+    with pytest.raises(ValueError, match="vocabulary"):
+        dec.forward([dec.vocab_size], dec.empty())
+    with pytest.raises(ValueError, match="at least one"):
+        dec.forward([], dec.empty())
+    with pytest.raises(ValueError, match="KV cache of"):
+        dec.forward([1], dec.empty()[:2])
+
+
+def test_profiles_refused_clearly(tmp_path):
+    assert DeviceProfile.of(None, {}).profile == "cpu"
+    entry = {"model": "x", "device": {"profile": "edge", "quant": "int4"}}
+    assert DeviceProfile.of(entry, {}) == DeviceProfile("edge", "int4")
+    # the device's own node config wins over the server's entry
+    assert DeviceProfile.of(entry, {"device-profile": "cpu"}).profile == "cpu"
+    with pytest.raises(ProfileError, match="unknown device profile 'npu'"):
+        DeviceProfile.of({"device": {"profile": "npu"}})
+    with pytest.raises(ProfileError, match="unknown quantization 'int3'"):
+        DeviceProfile.of(None, {"device-quant": "int3"})
+    with pytest.raises(ProfileError, match="unknown device key"):
+        DeviceProfile.of({"device": {"profil": "edge"}})
+    with pytest.raises(ProfileError, match="mapping"):
+        DeviceProfile.of({"device": "edge"})
+    # gpu on a machine without CUDA: falls back, or is refused when fallback is off
+    assert DeviceProfile("gpu").torch_device(cuda_available=False) == "cpu"
+    assert DeviceProfile("gpu").torch_device(cuda_available=True) == "cuda"
+    with pytest.raises(ProfileError, match="no CUDA device"):
+        DeviceProfile("gpu", fallback=False).torch_device(cuda_available=False)
+    with pytest.raises(ProfileError, match="not an ONNX export"):
+        OnnxDecoder(tmp_path)
+    with pytest.raises(ProfileError, match="unknown quantization"):
+        export_onnx("tiny-llama", "int2", root=tmp_path)
