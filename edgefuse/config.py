@@ -174,6 +174,8 @@ def validate(cfg: DictConfig) -> None:
     """
     if "device" in cfg:
         resolve_device(cfg.device)
+    from edgefuse.runtime import DeviceProfile, ProfileError
+
     clients = cfg.federation.clients
     if not clients:
         raise ConfigError("federation.clients is empty: name at least one client")
@@ -181,6 +183,10 @@ def validate(cfg: DictConfig) -> None:
         if not c.get("model"):
             raise ConfigError(f"federation.clients[{i}] has no model")
         positive_int(c.get("lora_rank", 0), f"federation.clients[{i}].lora_rank")
+        try:
+            DeviceProfile.of(c)
+        except ProfileError as e:
+            raise ConfigError(f"federation.clients[{i}].device: {e}") from None
     for key in ("federation.num_rounds", "training.steps_per_round", "training.batch_size"):
         positive_int(OmegaConf.select(cfg, key), key)
     from edgefuse.aggregation import EQUAL_RANK, ROBUST

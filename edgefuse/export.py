@@ -9,7 +9,8 @@ form the builder reads. Every layer keeps a full-length KV cache (``windowed_kv_
 so that a rollback is a slice.
 
 Exports are cached under ``<cache>/onnx/<model>/<quant>-<adapter>`` where ``<adapter>`` is
-``base`` or the adapter's :func:`~edgefuse.lora.adapter_hash`: the same adapter reuses the
+``base``, the adapter's :func:`~edgefuse.lora.adapter_hash` (or ``weights-<hash>`` of a model
+given with weights of its own): the same adapter reuses the
 export, a new one (the next round's) re-exports. A folder is built beside its place and
 renamed in (:func:`edgefuse.io.atomic_write_dir`), so a killed export leaves nothing half-made.
 """
@@ -64,8 +65,9 @@ def export_onnx(name: str, quant: str = "int8", model=None, tok=None, root=None,
     Args:
         name: the registered model (:data:`edgefuse.models.REGISTRY`), the cache key.
         quant: ``fp32``, ``int8`` or ``int4`` weights.
-        model / tok: the device's model (a ``PeftModel`` whose active LoRA is merged, or a
-            plain model) and tokenizer; None = the registered base weights.
+        model / tok: the device's model and tokenizer: a ``PeftModel`` (its active LoRA is merged;
+            the export is keyed by the adapter's hash) or a plain model (keyed by a hash of all
+            its weights); None = the registered base weights.
         root: the cache root (default :func:`edgefuse.models.cache_dir`).
         force: rebuild even when a complete export exists.
         threads: torch threads while building (default: unchanged).
@@ -79,7 +81,7 @@ def export_onnx(name: str, quant: str = "int8", model=None, tok=None, root=None,
         ValueError: a DoRA adapter (see :func:`~edgefuse.lora.merged_state_dict`).
         edgefuse.models.ModelSpecError / ModelFetchError: unknown or unfetched model.
     """
-    from edgefuse.lora import adapter_hash, get_adapter_state
+    from edgefuse.lora import adapter_hash, get_adapter_state, state_digest
 
     if quant not in QUANTS:
         raise ProfileError(f"unknown quantization {quant!r}: choose from {', '.join(QUANTS)}")
@@ -88,7 +90,12 @@ def export_onnx(name: str, quant: str = "int8", model=None, tok=None, root=None,
         raise ProfileError(f"model {name} ({spec.arch}) cannot be exported: the edge runtime builds "
                            f"{', '.join(ARCHS)}")
     check_edge()
-    adapter = adapter_hash(get_adapter_state(model)) if hasattr(model, "peft_config") else "base"
+    if model is None:
+        adapter = "base"
+    elif hasattr(model, "peft_config"):
+        adapter = adapter_hash(get_adapter_state(model))
+    else:  # weights of its own (e.g. merged elsewhere): keyed by all of them
+        adapter = "weights-" + state_digest(model.state_dict())[:16]
     folder = export_folder(name, quant, adapter, root)
     if is_exported(folder) and not force:
         return Export(folder, adapter, 0.0, True)
@@ -102,6 +109,36 @@ def export_onnx(name: str, quant: str = "int8", model=None, tok=None, root=None,
             "builder": _version("onnxruntime-genai"), "onnxruntime": _version("onnxruntime")})
     log.info("exported %s (%s, adapter %s) in %.1f s to %s", name, quant, adapter, export_s, folder)
     return Export(folder, adapter, export_s, False)
+
+
+def load_adapted(name: str, adapter_dir=None, root=None):
+    """``(model, tokenizer)`` of registered model ``name`` with the PEFT LoRA folder
+    ``adapter_dir`` applied but not merged (so :func:`export_onnx` keys the export by the
+    adapter's hash); None = the base model.
+
+    Raises:
+        ValueError: not a PEFT LoRA folder, or one that does not fit the model.
+        edgefuse.models.ModelSpecError / ModelFetchError: unknown or unfetched model.
+    """
+    from edgefuse.models import load_model
+
+    model, tok = load_model(name, root)
+    if adapter_dir is None:
+        return model, tok
+    folder = Path(adapter_dir).expanduser()
+    try:
+        config = json.loads((folder / "adapter_config.json").read_text())
+    except (OSError, ValueError):
+        raise ValueError(f"{folder} is not a PEFT adapter folder (no readable adapter_config.json); "
+                         "use a run's adapters/round_NNN/<model> folder") from None
+    if not isinstance(config, dict) or config.get("peft_type") != "LORA":
+        raise ValueError(f"{folder}: only a LoRA adapter is merged for export")
+    from peft import PeftModel
+
+    try:
+        return PeftModel.from_pretrained(model, str(folder)).eval(), tok
+    except (OSError, RuntimeError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{folder}: does not fit {name} ({str(exc).splitlines()[0][:160]})") from None
 
 
 def _source_folder(spec, model, tok, tmp: Path, root) -> Path:

@@ -2,6 +2,7 @@
 
     edgefuse models list                  registered models and whether they are cached
     edgefuse models fetch [NAME ...]      download + verify + convert (default: the edge SLMs)
+    edgefuse models export NAME [--adapter DIR] [--quant int8]   ONNX for the edge profile (cached)
     edgefuse fusers list REGISTRY_DIR     fuser versions in a registry (e.g. <run>/fusers)
     edgefuse fusers export --registry DIR --version ID --out FILE   one version as one archive
     edgefuse fusers import --registry DIR FILE    check an exported fuser and register it
@@ -39,8 +40,32 @@ def _models(argv: list[str]) -> int:
     f = sub.add_parser("fetch", help="download, verify and convert embedded models once")
     f.add_argument("names", nargs="*", help=f"default: {' '.join(EDGE_SLMS)}")
     f.add_argument("--cache-dir", default=None, help=CACHE_HELP)
+    e = sub.add_parser("export", help="export a model to ONNX for the edge device profile (cached by "
+                                      "model, quantization and adapter hash)")
+    e.add_argument("name", help="a registered model name (edgefuse models list)")
+    e.add_argument("--adapter", default=None, metavar="DIR",
+                   help="a PEFT LoRA folder (a run's adapters/round_NNN/<model>) merged before export")
+    e.add_argument("--quant", default="int8", choices=["fp32", "int8", "int4"],
+                   help="weight quantization (default int8: MatMulNBits, 32 weights per scale)")
+    e.add_argument("--force", action="store_true", help="rebuild even when the export is cached")
+    e.add_argument("--threads", type=int, default=None, help="torch threads while building")
+    e.add_argument("--cache-dir", default=None, help=CACHE_HELP)
     args = parser.parse_args(argv)
     cache = resolve_paths(cache_dir=args.cache_dir).cache_dir
+    if args.cmd == "export":
+        from edgefuse.export import export_onnx, load_adapted
+        from edgefuse.runtime import ProfileError
+
+        try:
+            model, tok = load_adapted(args.name, args.adapter, cache)
+            ex = export_onnx(args.name, args.quant, model=model if args.adapter else None,
+                             tok=tok if args.adapter else None, root=cache, force=args.force,
+                             threads=args.threads)
+        except (ModelSpecError, ModelFetchError, ProfileError, ValueError) as e:
+            raise CLIError(e) from None
+        how = "cached, reused" if ex.reused else f"built in {ex.export_s:.1f} s"
+        print(f"{args.name} {args.quant} (adapter {ex.adapter}): {ex.folder} ({how})")
+        return 0
     if args.cmd == "list":
         from rich.console import Console
         from rich.table import Table
@@ -243,7 +268,12 @@ def _cloud(argv: list[str]) -> int:
     g.add_argument("--split-adapter", default=None, metavar="DIR",
                    help="split modes: a PEFT LoRA folder merged into the target layers run here "
                         "(it never leaves the device)")
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument("--profile", default="cpu", choices=["cpu", "edge"],
+                   help="the device runtime: cpu = PyTorch float32 (default), edge = the model (with "
+                        "--adapter merged) exported to ONNX and run by ONNX Runtime")
+    g.add_argument("--quant", default="int8", choices=["fp32", "int8", "int4"],
+                   help="with --profile edge: the export's weights (default int8)")
+    g.add_argument("--threads", type=int, default=None, help="torch (and ONNX Runtime) CPU threads")
     g.add_argument("--device-dir", default=None,
                    help="the device home whose identity and pinned cloud key authenticate the link "
                         "(default <keys root>/devices/partition-0)")

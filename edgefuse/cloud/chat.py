@@ -132,7 +132,22 @@ def run(args) -> int:
                           cache_dir=getattr(args, "cache_dir", None))
     job = compose("default")  # the main job's settings: the privacy defaults, the corpus
     protection, auth = privacy_settings(args, job)
-    model, tok = load_edge(args.model, args.adapter, paths.cache_dir)
+    edge_lm = None
+    if getattr(args, "profile", "cpu") == "edge":  # the same model, exported and run by ONNX Runtime
+        from edgefuse.cloud.decoding import OnnxEdgeLM
+        from edgefuse.export import export_onnx, load_adapted
+        from edgefuse.runtime import OnnxDecoder
+
+        model, tok = load_adapted(args.model, args.adapter, paths.cache_dir)
+        ex = export_onnx(args.model, args.quant, model=model if args.adapter else None,
+                         tok=tok if args.adapter else None, root=paths.cache_dir, threads=args.threads)
+        edge_lm = OnnxEdgeLM(OnnxDecoder(ex.folder, threads=args.threads or 1), tok)
+        if args.draft_head:
+            print("edgefuse: note: the edge profile drafts with the full head (int8 in the graph); "
+                  "--draft-head is ignored", file=sys.stderr)
+            args.draft_head = 0
+    else:
+        model, tok = load_edge(args.model, args.adapter, paths.cache_dir)
     head = None
     if args.draft_head:
         from edgefuse.cloud.devices import pruned_head
@@ -180,7 +195,7 @@ def run(args) -> int:
                        gamma=args.gamma, seed=args.seed,
                        fusion=FusionConfig(weight=args.fusion_weight, confidence=args.confidence),
                        deadline_ms=args.deadline_ms, auth=auth)
-    dec = Decoder(EdgeLM(model, tok, head=head), link, tokenizer_fingerprint(tok),
+    dec = Decoder(edge_lm or EdgeLM(model, tok, head=head), link, tokenizer_fingerprint(tok),
                   rtt_ms=WanProfile.from_name(args.wan).rtt_ms, split=split)
     history: list[dict] = []
     mapping: dict[str, str] = {}  # placeholder -> value over the whole chat; stays here

@@ -132,3 +132,46 @@ def service_keys_at(root) -> dict:
 
     return {"identity": load_identity(cloud_dir(root) / IDENTITY_FILE),
             "authorized": TrustStore.load(cloud_dir(root) / AUTHORIZED_FILE)}
+
+
+@pytest.mark.parametrize("where", ["entry", "node_config"])
+def test_an_edge_profile_device_decodes_on_onnx_runtime(where, tmp_path, one_thread):
+    """``device.profile: edge`` (in the federation entry, or the device's own node config):
+    the handler exports the model with this round's adapter merged and decodes on ONNX Runtime
+    (fp32 here, so its edge-only tokens equal PyTorch's); the pruned-head drafter becomes the
+    full head; speculative output still equals the cloud's; the reply says which runtime ran."""
+    pytest.importorskip("onnxruntime_genai")
+    from omegaconf import OmegaConf
+
+    from edgefuse.lora import get_adapter_state, set_adapter_state
+
+    cfg = compose("tiny", ["cloud.decode.drafter=full_head", "privacy.enabled=false",
+                           "cloud.modes=[edge,cloud,spec_async]", f"paths.cache_dir={tmp_path}",
+                           "cloud.devices=1"])
+    target, tok = tiny_model("qwen2", seed=1)
+    svc = CloudService(Target(target, tok, "tiny-target"), "127.0.0.1", 0, max_wait_ms=5, **service_keys())
+    svc.start_in_thread()
+    model, _ = _device_model(cfg)
+    state = get_adapter_state(model)  # a trained adapter: B != 0, so merging it matters
+    set_adapter_state(model, {k: v + 0.05 for k, v in state.items()})
+    profile = {"profile": "edge", "quant": "fp32"}
+    entry = OmegaConf.create({"model": "tiny-qwen2", **({"device": profile} if where == "entry" else {})})
+    node = {"partition-id": 0, **({"device-profile": "edge", "device-quant": "fp32"} if where == "node_config" else {})}
+    try:
+        replies = {}
+        for name, ent, nc in (("edge", entry, node), ("torch", OmegaConf.create({"model": "tiny-qwen2"}),
+                                                        {"partition-id": 0})):
+            client = SimpleNamespace(entry=ent, cfg=cfg, slot={"peft": model, "tok": tok})
+            replies[name] = decoding.decode(_decode_message(svc.port),
+                                            Context(run_id=1, node_id=1, node_config=nc, state=RecordDict(),
+                                                    run_config={}), client)
+    finally:
+        svc.stop()
+    facts = json.loads(str(replies["edge"]["decoding"]["runtime"]))
+    assert facts["profile"] == "edge" and facts["runtime"] == "onnxruntime-fp32" and facts["adapter"] != "base"
+    assert json.loads(str(replies["torch"]["decoding"]["runtime"]))["runtime"] == "torch-cpu"
+    recs = {n: {r["mode"]: r for r in json.loads(str(rep["decoding"]["records"]))} for n, rep in replies.items()}
+    assert recs["edge"]["edge"]["tokens"] == recs["torch"]["edge"]["tokens"]  # the adapter was merged
+    assert recs["edge"]["spec_async"]["tokens"] == recs["edge"]["cloud"]["tokens"]
+    assert recs["edge"]["spec_async"]["drafter"] == "full_head"
+    assert list((tmp_path / "onnx" / "tiny-qwen2").glob("fp32-*"))  # cached where the config says

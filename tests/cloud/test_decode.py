@@ -552,3 +552,28 @@ def test_decode_result_comes_back_from_its_record():
     assert back == res
     assert back.acceptance_rate == 0.5 and back.tokens_per_s == 2.0 and back.bytes_up_per_token == 22.5
     assert DecodeResult.from_dict({"mode": "edge", "tokens": [1]}).drafter is None  # an older record
+
+
+@pytest.mark.parametrize("mode", ["spec_sync", "spec_async"])
+def test_an_onnx_draft_stays_lossless(perturbed, tmp_path_factory, mode):
+    """The edge profile: the perturbed draft exported to ONNX (int8) and run by ONNX Runtime
+    drafts; the cloud verifies, so the output still equals the target's greedy output, and
+    the int8 draft is accepted sometimes, not always."""
+    pytest.importorskip("onnxruntime_genai")
+    from edgefuse.cloud.decoding import OnnxEdgeLM
+    from edgefuse.export import export_onnx
+    from edgefuse.runtime import OnnxDecoder
+
+    target, edge_model, tok = perturbed
+    root = tmp_path_factory.getbasetemp() / "onnx-draft"
+    ex = export_onnx("tiny-qwen2", "int8", model=edge_model, tok=tok, root=root)
+    assert ex.adapter.startswith("weights-")  # keyed by its own weights, not the base model's
+    T = Target(target, tok, "tiny-target")
+    edge = OnnxEdgeLM(OnnxDecoder(ex.folder), tok)
+    edge.eos_ids = set()
+    accepted = drafted = 0
+    for prompt in PROMPTS:
+        res = Decoder(edge, DirectLink(T), T.fingerprint).generate(mode, prompt, DecodeConfig(max_new_tokens=12))
+        assert res.tokens == target_greedy(target, prompt, 12)
+        accepted, drafted = accepted + res.accepted, drafted + res.drafted
+    assert 0 < accepted < drafted

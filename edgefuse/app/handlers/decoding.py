@@ -79,6 +79,43 @@ def device_drafter(cfg, model, tok) -> tuple[DrafterSpec, DraftHead | None]:
     return spec, pruned_head(model, tok, cfg.data, int(cfg.seed), spec.head_size, cfg.paths.cache_dir)
 
 
+def device_runtime(cfg, client, node_config) -> tuple[object, object, dict]:
+    """What this device decodes on, by its profile (:class:`edgefuse.runtime.DeviceProfile`
+    of its federation entry and its own ``node_config``).
+
+    Returns:
+        ``(model, runtime, facts)``: the PyTorch model the ``cpu`` / ``gpu`` profiles decode with
+        (a float16 CUDA copy for ``gpu`` on a CUDA machine); for ``edge`` an
+        :class:`~edgefuse.runtime.OnnxDecoder` of the model with this round's adapter merged
+        (:func:`edgefuse.export.export_onnx`, cached by adapter hash), else None; and what to
+        report (``profile``, ``runtime``, ``export_s``, ``reused``).
+
+    Raises:
+        edgefuse.runtime.ProfileError: an unknown profile, ``gpu`` without CUDA and without
+            fallback, ``edge`` without ONNX Runtime or for a model the builder does not build.
+    """
+    from edgefuse.runtime import DeviceProfile, OnnxDecoder
+
+    profile = DeviceProfile.of(client.entry, node_config)
+    model = client.slot["peft"]
+    facts = {"profile": profile.profile}
+    if profile.profile == "edge":
+        from edgefuse.export import export_onnx
+
+        ex = export_onnx(str(client.entry.model), profile.quant, model=model, tok=client.slot["tok"],
+                         root=cfg.paths.cache_dir, threads=int(cfg.cloud.threads))
+        facts.update(runtime=f"onnxruntime-{profile.quant}", export_s=round(ex.export_s, 2),
+                     reused=ex.reused, adapter=ex.adapter)
+        return model, OnnxDecoder(ex.folder, threads=int(cfg.cloud.threads)), facts
+    device = profile.torch_device()
+    if device == "cuda":
+        import copy
+
+        model = copy.deepcopy(model).to(device="cuda", dtype=torch.float16).eval()
+    facts["runtime"] = f"torch-{device}"
+    return model, None, facts
+
+
 def decode(msg: Message, context: Context, client) -> RecordDict:
     """Run every ``cloud.modes`` mode on the message's queries; reply with the records."""
     from edgefuse.privacy.redact import Redactor
@@ -107,20 +144,24 @@ def decode(msg: Message, context: Context, client) -> RecordDict:
         split = with_corpus_mask(load_split_device(str(c.model), settings_from_config(c.split),
                                                    root=cfg.paths.cache_dir),
                                  cfg.data, int(cfg.seed), cfg.paths.cache_dir)
+    dmodel, runtime, facts = device_runtime(cfg, client, context.node_config)
+    gpu = facts["runtime"] == "torch-cuda"  # drafts with the full head, unbatched, on the GPU
     threads = torch.get_num_threads()
     torch.set_num_threads(int(c.threads))
     try:
         records, wall = run_devices(
-            model, tok, sent, list(c.modes), dcfg, host, port, wan, int(c.devices),
-            tokenizer_fingerprint(tok), max_prompt_tokens=int(c.eval.max_prompt_tokens), head=head,
-            drafter=spec, split=split, **keys)
+            dmodel, tok, sent, list(c.modes), dcfg, host, port, wan, int(c.devices),
+            tokenizer_fingerprint(tok), max_prompt_tokens=int(c.eval.max_prompt_tokens),
+            head=None if gpu else head, drafter=DrafterSpec("full_head") if gpu else spec, split=split,
+            runtime=runtime, batch_devices=not gpu, **keys)
         n_live = int(cfg.privacy.probe.get("live_canaries", 0)) if cfg.get("privacy") and cfg.privacy.enabled else 0
         if n_live > 0:  # canaries through the live link: the audit scans these frames
             canaries = _canary_queries(cfg, n_live)
             canary_sent, _ = protect_queries(canaries, mode, model, tok, redactor, max_new, attempts)
-            run_devices(model, tok, canary_sent, ["spec_sync"], replace(dcfg, max_new_tokens=4), host, port,
+            run_devices(dmodel, tok, canary_sent, ["spec_sync"], replace(dcfg, max_new_tokens=4), host, port,
                         wan, 1, tokenizer_fingerprint(tok), max_prompt_tokens=int(c.eval.max_prompt_tokens),
-                        head=head, drafter=spec, **keys)
+                        head=None if gpu else head, drafter=DrafterSpec("full_head") if gpu else spec,
+                        runtime=runtime, batch_devices=not gpu, **keys)
     finally:
         torch.set_num_threads(threads)
     by_qid = {q.qid: m for q, m in zip(queries, maps)}
@@ -128,4 +169,5 @@ def decode(msg: Message, context: Context, client) -> RecordDict:
         if by_qid.get(r.qid):
             r.result.text = restore(r.result.text, by_qid[r.qid])
     return RecordDict({"decoding": ConfigRecord({"records": json.dumps([r.to_dict() for r in records]),
-                                                 "wall": json.dumps(wall), "protection": mode})})
+                                                 "wall": json.dumps(wall), "protection": mode,
+                                                 "runtime": json.dumps(facts)})})

@@ -122,6 +122,8 @@ class Decoding(Phase):
             raw, wall = reply.json("decoding", "records"), reply.json("decoding", "wall")
             rec = reply["decoding"]
             protection = str(rec["protection"]) if "protection" in rec else "off"
+            runtime = reply.json("decoding", "runtime") if "runtime" in rec else {}
+            runtime = runtime if isinstance(runtime, dict) else {}  # what the device reports
             health = _health(str(c.host), int(port), proc.health_token)
         finally:
             code = stop_service_process(proc)
@@ -135,7 +137,7 @@ class Decoding(Phase):
                          greedy=float(c.decode.temperature) == 0)
         log(INFO, "cloud decoding (%s, %d sessions):\n%s", c.wan, int(c.devices), table(rows))
         service = {"model": str(c.model), "start_seconds": started, "port": int(port),
-                   "prompt_protection": protection,
+                   "prompt_protection": protection, "device_runtime": runtime,
                    **{k: health.get(k) for k in ("sessions_total", "batches", "jobs",
                                                  "mean_batch_size", "max_batch_size",
                                                  "frames_rejected", "bytes_in", "bytes_out")}}
