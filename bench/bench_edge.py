@@ -173,6 +173,15 @@ def cell_decode(cell: dict) -> dict:
     return out
 
 
+def prompt_ids_for(model: str, n: int) -> list[list[int]]:
+    """The chat-templated ids of the first ``n`` held-out prompts for ``model``'s tokenizer."""
+    from edgefuse.cloud.devices import prompt_ids
+    from edgefuse.models import load_tokenizer
+
+    tok = load_tokenizer(model)
+    return [prompt_ids(q, tok, 256) for q in _queries(n)[1]]
+
+
 def _logits_rows(lm, ids: list[int], last: int):
     """Logits ``[last, V]`` at the last ``last`` positions of one forward over ``ids``."""
     import torch
@@ -189,51 +198,78 @@ def _argmax_rows(lm, ids, last):
 
 
 def cell_memory(cell: dict) -> dict:
-    """Peak RSS of one phase on one profile, in a process that does only that."""
-    base = peak_rss_mb()
-    import torch  # noqa: F401  (what every device process imports)
+    """Peak RSS (MB) of one phase on one profile, in a process that does only that, after each
+    step: ``imports`` (what a device process imports), ``tokenizer``, ``model`` (weights or
+    ONNX Runtime session), then the phase. ``lean``: ONNX Runtime, numpy and the tokenizers
+    library only (no PyTorch, no transformers): what the runtime itself needs."""
+    steps = {"python": peak_rss_mb()}
+    n = cell["new_tokens"]
+    if cell.get("lean"):
+        import numpy as np
+        import tokenizers
 
-    from edgefuse.cloud.decoding import EdgeLM, OnnxEdgeLM  # noqa: F401
-    from edgefuse.cloud.devices import prompt_ids
+        from edgefuse.export import export_folder
+        from edgefuse.models import get_spec, model_dir
+        from edgefuse.runtime import OnnxDecoder
+
+        steps["imports"] = peak_rss_mb()
+        path = model_dir(get_spec(cell["model"])) / "tokenizer.json"
+        if path.is_file():  # a tiny model's tokenizer is built in memory, not a file
+            tokenizers.Tokenizer.from_file(str(path))
+        steps["tokenizer"] = peak_rss_mb()
+        dec = OnnxDecoder(export_folder(cell["model"], cell["quant"]))
+        steps["model"] = peak_rss_mb()
+        for ids in cell["prompt_ids"]:
+            logits, past = dec.forward(ids, dec.empty())
+            for _ in range(n):
+                logits, past = dec.forward([int(np.argmax(logits[-1]))], past)
+        steps["decode"] = peak_rss_mb()
+        return {"peak_rss_mb": peak_rss_mb(), "steps": steps}
+    import torch
+
+    from edgefuse.cloud.decoding import EdgeLM, OnnxEdgeLM
     from edgefuse.models import load_model, load_tokenizer
 
-    imports = peak_rss_mb()
-    n = cell["new_tokens"]
+    steps["imports"] = peak_rss_mb()
     if cell["phase"] == "train":
         from edgefuse import data as data_mod
+        from edgefuse.config import compose, lora_targets, resolve_paths
         from edgefuse.lora import attach_lora
         from edgefuse.training import train_steps
 
-        cfg, _ = _queries(1)
+        cfg = compose("default")
+        resolve_paths(cfg)
+        t = cfg.training
         torch.set_num_threads(2)
         model, tok = load_model(cell["model"])
-        from edgefuse.config import lora_targets
-
-        peft = attach_lora(model, rank=8, alpha=float(cfg.training.lora_alpha),
-                           dropout=float(cfg.training.lora_dropout),
+        steps["model"] = peak_rss_mb()
+        peft = attach_lora(model, rank=8, alpha=float(t.lora_alpha), dropout=float(t.lora_dropout),
                            target_modules=lora_targets(cfg, cell["model"]), seed=0)
         train_ds, _ = data_mod.client_split(cfg.data, 0, 4, int(cfg.seed))
         rows = data_mod.tokenize_dataset(train_ds, tok, int(cfg.data.max_seq_len))
+        steps["data"] = peak_rss_mb()
         t0 = time.perf_counter()
-        train_steps(peft, rows, tok.pad_token_id, steps=10, batch_size=int(cfg.training.batch_size),
-                    lr=float(cfg.training.lr))
-        return {"peak_rss_mb": peak_rss_mb(), "imports_rss_mb": imports, "python_rss_mb": base,
-                "seconds": time.perf_counter() - t0}
-    _, queries = _queries(2)
+        train_steps(peft, rows, tok.pad_token_id, steps=10, batch_size=int(t.batch_size), lr=float(t.lr),
+                    gradient_checkpointing=bool(cell.get("checkpointing")))
+        steps["train"] = peak_rss_mb()
+        return {"peak_rss_mb": peak_rss_mb(), "steps": steps, "seconds": time.perf_counter() - t0}
+    tok = load_tokenizer(cell["model"])
+    steps["tokenizer"] = peak_rss_mb()
     if cell["runtime"] == "torch":
-        model, tok = load_model(cell["model"])
+        model, _ = load_model(cell["model"])
         lm = EdgeLM(model, tok)
     else:
         from edgefuse.export import export_folder
         from edgefuse.runtime import OnnxDecoder
 
-        tok = load_tokenizer(cell["model"])
         lm = OnnxEdgeLM(OnnxDecoder(export_folder(cell["model"], cell["quant"])), tok)
-    for q in queries:
-        lm.start(prompt_ids(q, tok, 256))
+    steps["model"] = peak_rss_mb()
+    for ids in cell["prompt_ids"]:
+        lm.start(ids)
         for _ in range(n):
             lm.push(int(lm.logits().argmax()))
-    return {"peak_rss_mb": peak_rss_mb(), "imports_rss_mb": imports, "python_rss_mb": base}
+    steps["decode"] = peak_rss_mb()
+    return {"peak_rss_mb": peak_rss_mb(), "steps": steps}
 
 
 def cell_spec(cell: dict) -> dict:
@@ -452,10 +488,17 @@ def main(argv=None) -> int:
     for m in args.models if "memory" in args.parts else []:
         small = m in ("smollm2-135m", "tiny-llama")
         if small:
-            do(f"memory/{m}/train/torch", {"kind": "memory", "model": m, "phase": "train", "new_tokens": 8})
+            for ckpt in (False, True):
+                do(f"memory/{m}/train/torch{'-checkpointing' if ckpt else ''}",
+                   {"kind": "memory", "model": m, "phase": "train", "new_tokens": 8, "checkpointing": ckpt})
+        ids = prompt_ids_for(m, 2)  # the device gets its prompts in the message: no dataset loaded
         for runtime, q in [("torch", "fp32"), ("onnx", "int8")] + ([("onnx", "int4")] if small else []):
             do(f"memory/{m}/decode/{runtime}-{q}", {"kind": "memory", "model": m, "phase": "decode",
-                                                     "runtime": runtime, "quant": q, "new_tokens": args.new_tokens})
+                                                     "runtime": runtime, "quant": q, "prompt_ids": ids,
+                                                     "new_tokens": args.new_tokens})
+        if small:
+            do(f"memory/{m}/decode/onnx-int8-lean", {"kind": "memory", "model": m, "phase": "decode", "lean": True,
+                                                      "quant": "int8", "prompt_ids": ids, "new_tokens": args.new_tokens})
     if "spec" in args.parts:
         do("spec", {"kind": "spec", "prompts": args.spec_prompts, "new_tokens": args.new_tokens,
                     "rtt": args.rtt, "target": args.target, "draft": args.draft, "out": str(args.out)})

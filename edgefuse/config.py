@@ -161,7 +161,8 @@ def validate(cfg: DictConfig) -> None:
     """Check the settings that would otherwise fail deep inside a client.
 
     Raises:
-        ConfigError: no clients, a client entry without a model, a rank / step / round /
+        ConfigError: no clients, a client entry without a model or with a bad ``device``
+            profile (:class:`edgefuse.runtime.DeviceProfile`), a rank / step / round /
             batch count that is not a positive integer, or a non-positive lr or timeout;
             with ``c2c.enabled``, a non-positive step / example / token count, an unknown
             ``c2c.train.at``, evaluation mode or WAN preset, or a bad ``c2c.pairs`` entry;

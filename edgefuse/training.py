@@ -16,18 +16,23 @@ def _token_loss_sum(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor
     """Summed next-token cross-entropy over labelled (response) tokens, and their count.
 
     ``batch`` holds ``input_ids``, ``attention_mask``, ``labels`` as ``[batch, T]``
-    LongTensors with ``labels == -100`` on prompt and padding positions.
+    LongTensors with ``labels == -100`` on prompt and padding positions. The LM head runs on
+    the labelled positions only (``[n, V]`` logits instead of ``[batch, T, V]``: the same loss,
+    a fraction of the memory), soft-capped as the model does (Gemma).
     """
     device = next(model.parameters()).device  # batches are built on the CPU
     batch = {k: v.to(device) for k, v in batch.items()}
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    shift_logits = logits[:, :-1, :].float()
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    hidden = base.get_decoder()(input_ids=batch["input_ids"],
+                                attention_mask=batch["attention_mask"]).last_hidden_state
     shift_labels = batch["labels"][:, 1:]
-    loss = torch.nn.functional.cross_entropy(
-        shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1),
-        ignore_index=-100, reduction="sum",
-    )
-    return loss, int((shift_labels != -100).sum())
+    keep = shift_labels != -100
+    logits = base.get_output_embeddings()(hidden[:, :-1][keep]).float()
+    cap = getattr(base.config, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    loss = torch.nn.functional.cross_entropy(logits, shift_labels[keep], reduction="sum")
+    return loss, int(keep.sum())
 
 
 def train_steps(
@@ -42,6 +47,7 @@ def train_steps(
     seed: int = 0,
     round_idx: int = 0,
     progress: bool = False,
+    gradient_checkpointing: bool = False,
 ) -> dict:
     """Run ``steps`` AdamW steps on the trainable (LoRA) parameters of ``model``.
 
@@ -49,6 +55,10 @@ def train_steps(
     FlowerTune. Loss is the mean cross-entropy per response token of each batch. Batch order
     and dropout noise are functions of ``(seed, round_idx)`` only, so a run repeats exactly
     whatever else the process ran before.
+
+    ``gradient_checkpointing``: recompute each decoder layer in the backward pass (transformers'
+    non-reentrant checkpointing, which restores the dropout RNG: the same losses and adapter)
+    instead of keeping its activations; switched off again on return.
 
     Returns:
         ``{"train_loss": mean of the step losses (nats/token), "first_loss", "last_loss",
@@ -72,6 +82,9 @@ def train_steps(
 
         it = tqdm(it, desc="train", unit="step", leave=False)
     device = next(model.parameters()).device
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if gradient_checkpointing:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # Dropout noise from (seed, round), not from whatever this worker process ran before:
     # the same config gives the same adapters on any schedule; the caller's RNG is untouched.
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -86,6 +99,8 @@ def train_steps(
             opt.step()
             losses.append(float(loss.detach()))
             tokens += n
+    if gradient_checkpointing:
+        base.gradient_checkpointing_disable()
     model.eval()
     return {
         "train_loss": sum(losses) / len(losses),

@@ -180,3 +180,24 @@ def test_profiles_refused_clearly(tmp_path):
         OnnxDecoder(tmp_path)
     with pytest.raises(ProfileError, match="unknown quantization"):
         export_onnx("tiny-llama", "int2", root=tmp_path)
+
+
+def test_edge_refused_in_one_line_without_onnx_runtime(monkeypatch):
+    import sys
+
+    from edgefuse.runtime import check_edge
+
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import fails as if not installed
+    with pytest.raises(ProfileError, match="device profile edge needs onnxruntime"):
+        check_edge()
+    with pytest.raises(ProfileError, match="needs onnxruntime"):
+        OnnxDecoder("anywhere")
+
+
+def test_a_bad_device_entry_is_refused_before_any_round():
+    from edgefuse.config import ConfigError, compose
+
+    with pytest.raises(ConfigError, match=r"federation.clients\[0\].device: unknown device profile 'tpu'"):
+        compose("tiny", ["+federation.clients.0.device={profile: tpu}"])
+    cfg = compose("tiny", ["+federation.clients.3.device={profile: edge, quant: int4}"])
+    assert DeviceProfile.of(cfg.federation.clients[3]) == DeviceProfile("edge", "int4")

@@ -82,3 +82,46 @@ def test_training_repeats_exactly_whatever_ran_before():
     (loss_a, a), (loss_b, b) = run(False), run(True)
     assert loss_a == loss_b
     assert all((a[k] == b[k]).all() for k in a)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_loss_on_labelled_rows_equals_the_full_logits_loss(arch):
+    """The head runs on labelled positions only; the loss and the LoRA gradients are those of
+    the full ``[batch, T, V]`` logits (Gemma's soft-capping included)."""
+    from edgefuse.training import _token_loss_sum
+
+    model, tok = tiny_model(arch)
+    if arch == "gemma3_text":
+        model.config.final_logit_softcapping = 5.0
+    peft = attach_lora(model, rank=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"], seed=0)
+    for p in peft.parameters():
+        if p.requires_grad:
+            torch.nn.init.normal_(p, std=0.1)
+    batch = collate([tokenize_example(e, tok, 64) for e in EXAMPLES], tok.pad_token_id)
+    loss, n = _token_loss_sum(peft, batch)
+    grads = torch.autograd.grad(loss, [p for p in peft.parameters() if p.requires_grad])
+    logits = peft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    labels = batch["labels"][:, 1:]
+    full = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1),
+                                             ignore_index=-100, reduction="sum")
+    full_grads = torch.autograd.grad(full, [p for p in peft.parameters() if p.requires_grad])
+    assert n == int((labels != -100).sum()) > 0
+    assert torch.allclose(loss, full, rtol=1e-5)
+    assert all(torch.allclose(a, b, atol=1e-6, rtol=1e-4) for a, b in zip(grads, full_grads))
+
+
+def test_gradient_checkpointing_gives_the_same_losses_and_adapter(tiny):
+    """Recomputing activations (dropout on) changes memory, not the result."""
+    from edgefuse.lora import get_adapter_state
+
+    model, tok, rows = tiny
+    out = []
+    for ckpt in (False, True):
+        m, _ = tiny_model("llama")
+        peft = attach_lora(m, rank=4, alpha=8, dropout=0.1, target_modules=["q_proj", "v_proj"], seed=0)
+        res = train_steps(peft, rows, tok.pad_token_id, steps=3, batch_size=2, lr=1e-2, seed=1,
+                          gradient_checkpointing=ckpt)
+        assert not peft.get_base_model().is_activation_checkpointing  # switched off again
+        out.append((res["first_loss"], res["last_loss"], get_adapter_state(peft)))
+    assert out[0][:2] == pytest.approx(out[1][:2], rel=1e-5)
+    assert all(abs(out[0][2][k] - out[1][2][k]).max() < 1e-5 for k in out[0][2])

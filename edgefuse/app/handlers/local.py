@@ -153,6 +153,7 @@ class LocalClient:
                 steps=int(t.steps_per_round), batch_size=int(t.batch_size), lr=float(t.lr),
                 weight_decay=float(t.weight_decay), max_grad_norm=float(t.max_grad_norm),
                 seed=int(self.cfg.seed) + self.partition_id, round_idx=round_idx,
+                gradient_checkpointing=bool(t.get("gradient_checkpointing", False)),
             )
 
     def evaluate(self) -> dict:
