@@ -75,7 +75,15 @@ def parse_args(argv=None):
 
 
 def peak_rss_mb() -> float:
-    """This process's peak resident set size (MB; Linux reports KiB)."""
+    """This process's peak resident set size (MB): ``VmHWM`` on Linux, which starts afresh at
+    exec (``ru_maxrss`` can carry the parent's peak into a child), else ``ru_maxrss``."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -208,16 +216,13 @@ def cell_memory(cell: dict) -> dict:
         import numpy as np
         import tokenizers
 
-        from edgefuse.export import export_folder
-        from edgefuse.models import get_spec, model_dir
-        from edgefuse.runtime import OnnxDecoder
+        from edgefuse.runtime import OnnxDecoder  # numpy and onnxruntime only
 
         steps["imports"] = peak_rss_mb()
-        path = model_dir(get_spec(cell["model"])) / "tokenizer.json"
-        if path.is_file():  # a tiny model's tokenizer is built in memory, not a file
-            tokenizers.Tokenizer.from_file(str(path))
+        if cell["tokenizer"]:  # a tiny model's tokenizer is built in memory, not a file
+            tokenizers.Tokenizer.from_file(cell["tokenizer"])
         steps["tokenizer"] = peak_rss_mb()
-        dec = OnnxDecoder(export_folder(cell["model"], cell["quant"]))
+        dec = OnnxDecoder(cell["folder"])
         steps["model"] = peak_rss_mb()
         for ids in cell["prompt_ids"]:
             logits, past = dec.forward(ids, dec.empty())
@@ -497,8 +502,14 @@ def main(argv=None) -> int:
                                                      "runtime": runtime, "quant": q, "prompt_ids": ids,
                                                      "new_tokens": args.new_tokens})
         if small:
-            do(f"memory/{m}/decode/onnx-int8-lean", {"kind": "memory", "model": m, "phase": "decode", "lean": True,
-                                                      "quant": "int8", "prompt_ids": ids, "new_tokens": args.new_tokens})
+            from edgefuse.export import export_folder
+            from edgefuse.models import get_spec, model_dir
+
+            tok_file = model_dir(get_spec(m)) / "tokenizer.json"
+            do(f"memory/{m}/decode/onnx-int8-lean", {
+                "kind": "memory", "model": m, "phase": "decode", "lean": True, "prompt_ids": ids,
+                "folder": str(export_folder(m, "int8")), "new_tokens": args.new_tokens,
+                "tokenizer": str(tok_file) if tok_file.is_file() else None})
     if "spec" in args.parts:
         do("spec", {"kind": "spec", "prompts": args.spec_prompts, "new_tokens": args.new_tokens,
                     "rtt": args.rtt, "target": args.target, "draft": args.draft, "out": str(args.out)})
