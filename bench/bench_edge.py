@@ -389,12 +389,15 @@ def summarize_model(cells: dict, model: str, threads: list[int]) -> list[dict]:
 
 
 def spec_summary(spec: dict) -> dict:
-    """spec_async / cloud per draft runtime, paired per prompt (geometric mean, bootstrap 95 %)."""
+    """spec_async / cloud per draft runtime, paired per prompt (geometric mean, bootstrap 95 %),
+    and how many outputs equal cloud-only's token for token (greedy: all should)."""
     from edgefuse.eval import stats
 
-    by = {}
+    by, toks = {}, {}
     for r in spec.get("records", []):
-        by.setdefault(r["draft_runtime"] if r["mode"] != "cloud" else "cloud", {})[r["qid"]] = r["tokens_per_s"]
+        label = r["draft_runtime"] if r["mode"] != "cloud" else "cloud"
+        by.setdefault(label, {})[r["qid"]] = r["tokens_per_s"]
+        toks.setdefault(label, {})[r["qid"]] = r["tokens"]
     cloud = by.get("cloud", {})
     out = {}
     for label, tps in by.items():
@@ -405,7 +408,8 @@ def spec_summary(spec: dict) -> dict:
             continue
         est = stats.bootstrap_mean_interval([math.log(tps[q] / cloud[q]) for q in common])
         out[label] = {"speedup": math.exp(est.value), "ci95": [math.exp(est.low), math.exp(est.high)],
-                      "n": len(common)}
+                      "n": len(common),
+                      "identical_to_cloud": sum(toks[label][q] == toks["cloud"][q] for q in common)}
     return out
 
 

@@ -152,6 +152,10 @@ def _check_decoding(res: dict, out: Path) -> None:
     assert all(r["split"] is None for m, r in rows.items() if m not in ("split", "split_spec"))
     svc = res["summary"]["cloud_service"]
     assert svc["max_batch_size"] >= 2 and svc["frames_rejected"] == 0  # ...at the same time
+    # the tiny-qwen2 client's `device: {profile: edge, quant: int8}`: it decoded on ONNX Runtime,
+    # the export holding its adapter of the last round
+    rt = svc["device_runtime"]
+    assert rt["profile"] == "edge" and rt["runtime"] == "onnxruntime-int8" and rt["adapter"] != "base"
     for name in ("decoding.csv", "decoding.png", "cloud_service.log"):
         assert (out / name).stat().st_size > 0
 
