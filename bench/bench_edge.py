@@ -10,6 +10,7 @@ Per edge SLM and runtime (each cell in a fresh process, so its peak RSS is its o
 - held-out perplexity (the Dolly response given its prompt) and its ratio to PyTorch's,
   paired over the same items (bootstrap 95 %);
 - export time (``edgefuse models export``, rebuilt in this run) and peak RSS;
+- fp32 parity: the largest |logit difference| from PyTorch over every prompt position;
 - memory per profile and phase (separate processes): LoRA training of the model
   (``training.*`` defaults, 10 steps) and decoding (2 prompts), with the RSS after imports.
 
@@ -53,8 +54,8 @@ def parse_args(argv=None):
     p.add_argument("--prompts", type=int, default=8, help="held-out Dolly prompts (one per category)")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--parts", nargs="+", default=["runtime", "memory", "spec"],
-                   choices=["runtime", "memory", "spec"])
+    p.add_argument("--parts", nargs="+", default=["runtime", "parity", "memory", "spec"],
+                   choices=["runtime", "parity", "memory", "spec"])
     p.add_argument("--spec-prompts", type=int, default=8)
     p.add_argument("--rtt", type=float, default=80.0)
     p.add_argument("--target", default="qwen2.5-coder-1.5b")
@@ -324,7 +325,33 @@ def cell_spec(cell: dict) -> dict:
     return {"rows": rows, "records": records, "peak_rss_mb": peak_rss_mb()}
 
 
-CELLS = {"decode": cell_decode, "memory": cell_memory, "spec": cell_spec}
+def cell_parity(cell: dict) -> dict:
+    """fp32 parity: the largest |logit difference| between the fp32 ONNX export and PyTorch over
+    every position of ``prompts`` held-out prompts (one forward each), and the logits' scale."""
+    import numpy as np
+    import torch
+
+    from edgefuse.cloud.devices import prompt_ids
+    from edgefuse.export import export_onnx
+    from edgefuse.models import load_model
+    from edgefuse.runtime import OnnxDecoder
+
+    model, tok = load_model(cell["model"])
+    dec = OnnxDecoder(export_onnx(cell["model"], "fp32").folder)
+    diffs, scale, positions = [], 0.0, 0
+    for q in _queries(cell["prompts"])[1]:
+        ids = prompt_ids(q, tok, 256)
+        with torch.no_grad():
+            ref = model(input_ids=torch.tensor([ids])).logits[0].float().numpy()
+        got, _ = dec.forward(ids, dec.empty())
+        diffs.append(float(np.abs(got - ref).max()))
+        scale = max(scale, float(np.abs(ref).max()))
+        positions += len(ids)
+    return {"max_abs_logit_diff": max(diffs), "per_prompt": diffs, "max_abs_logit": scale,
+            "positions": positions}
+
+
+CELLS = {"decode": cell_decode, "memory": cell_memory, "spec": cell_spec, "parity": cell_parity}
 
 
 def run_cell(cell: dict) -> dict:
@@ -470,6 +497,7 @@ def main(argv=None) -> int:
                   "threads": args.threads, "rtt_ms": args.rtt, "cells": cells,
                   "runtime": [r for m in args.models for r in summarize_model(cells, m, args.threads)],
                   "memory": {k.split("/", 1)[1]: v for k, v in cells.items() if k.startswith("memory/")},
+                  "fp32_parity": {k.split("/", 1)[1]: v for k, v in cells.items() if k.startswith("parity/")},
                   "spec_speedup": spec_summary(cells.get("spec", {})),
                   "spec_rows": cells.get("spec", {}).get("rows", []),
                   "wall_seconds": time.perf_counter() - t_start + old.get("wall_seconds", 0),
@@ -494,6 +522,8 @@ def main(argv=None) -> int:
         for q in args.quants:
             do(f"decode/{m}/onnx/{q}", {"kind": "decode", "model": m, "runtime": "onnx", "quant": q,
                                         "reference": ref, **common})
+    for m in args.models if "parity" in args.parts else []:
+        do(f"parity/{m}", {"kind": "parity", "model": m, "prompts": args.prompts})
     for m in args.models if "memory" in args.parts else []:
         small = m in ("smollm2-135m", "tiny-llama")
         if small:
@@ -522,6 +552,7 @@ def main(argv=None) -> int:
     for r in result["runtime"]:
         print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()})
     print("memory:", {k: round(v.get("peak_rss_mb", 0)) for k, v in result["memory"].items()})
+    print("fp32 parity:", {k: v.get("max_abs_logit_diff", v.get("error")) for k, v in result["fp32_parity"].items()})
     print("spec:", result["spec_speedup"])
     print(f"wrote {args.out} and {png}")
     return 0
