@@ -265,10 +265,11 @@ def cell_memory(cell: dict) -> dict:
         model, _ = load_model(cell["model"])
         lm = EdgeLM(model, tok)
     else:
-        from edgefuse.export import export_folder
+        from edgefuse.export import export_folder, export_key
         from edgefuse.runtime import OnnxDecoder
 
-        lm = OnnxEdgeLM(OnnxDecoder(export_folder(cell["model"], cell["quant"])), tok)
+        folder = export_folder(cell["model"], cell["quant"], export_key(cell["model"])[1])
+        lm = OnnxEdgeLM(OnnxDecoder(folder), tok)
     steps["model"] = peak_rss_mb()
     for ids in cell["prompt_ids"]:
         lm.start(ids)
@@ -536,13 +537,13 @@ def main(argv=None) -> int:
                                                      "runtime": runtime, "quant": q, "prompt_ids": ids,
                                                      "new_tokens": args.new_tokens})
         if small:
-            from edgefuse.export import export_folder
+            from edgefuse.export import export_folder, export_key
             from edgefuse.models import get_spec, model_dir
 
             tok_file = model_dir(get_spec(m)) / "tokenizer.json"
             do(f"memory/{m}/decode/onnx-int8-lean", {
                 "kind": "memory", "model": m, "phase": "decode", "lean": True, "prompt_ids": ids,
-                "folder": str(export_folder(m, "int8")), "new_tokens": args.new_tokens,
+                "folder": str(export_folder(m, "int8", export_key(m)[1])), "new_tokens": args.new_tokens,
                 "tokenizer": str(tok_file) if tok_file.is_file() else None})
     if "spec" in args.parts:
         do("spec", {"kind": "spec", "prompts": args.spec_prompts, "new_tokens": args.new_tokens,

@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 
 PROFILES = ("cpu", "gpu", "edge")
 QUANTS = ("fp32", "int8", "int4")
-NODE_PROFILE, NODE_QUANT = "device-profile", "device-quant"  # node_config keys
+NODE_PROFILE, NODE_QUANT, NODE_FALLBACK = "device-profile", "device-quant", "device-fallback"  # node_config
+NODE_KEYS = (NODE_PROFILE, NODE_QUANT, NODE_FALLBACK, "device-dir")  # the device-* keys a node may set
 EXPORT_META = "edgefuse-export.json"  # what edgefuse.export writes beside the model
 
 
@@ -58,11 +59,12 @@ class DeviceProfile:
     def of(cls, entry=None, node_config: Mapping | None = None) -> "DeviceProfile":
         """The profile of one device: its federation entry's ``device`` mapping
         (``{profile, quant, fallback}``), overridden by its own ``node_config`` keys
-        ``device-profile`` / ``device-quant``.
+        ``device-profile`` / ``device-quant`` / ``device-fallback``.
 
         Raises:
-            ProfileError: an unknown profile, quantization or key, or a ``device`` entry that is
-                not a mapping.
+            ProfileError: an unknown profile, quantization or key (another ``device-*`` key in
+                the node config included: a misspelt key would silently do nothing), or a
+                ``device`` entry that is not a mapping.
         """
         conf = {}
         raw = entry.get("device", None) if entry is not None and hasattr(entry, "get") else None
@@ -75,14 +77,35 @@ class DeviceProfile:
             if unknown:
                 raise ProfileError(f"unknown device key(s) {sorted(unknown)}: use profile, quant, fallback")
         node = node_config or {}
+        odd = sorted(k for k in node if str(k).startswith("device-") and k not in NODE_KEYS)
+        if odd:
+            raise ProfileError(f"unknown node config key(s) {odd}: use {', '.join(NODE_KEYS)}")
         if NODE_PROFILE in node:
             conf["profile"] = node[NODE_PROFILE]
         if NODE_QUANT in node:
             conf["quant"] = node[NODE_QUANT]
+        if NODE_FALLBACK in node:  # flwr parses true/false; a string stays a string
+            raw_fb = node[NODE_FALLBACK]
+            conf["fallback"] = {"true": True, "false": False}.get(str(raw_fb).lower(), raw_fb)
         fallback = conf.get("fallback", True)
         if not isinstance(fallback, bool):
             raise ProfileError(f"device.fallback must be true or false, got {fallback!r}")
         return cls(str(conf.get("profile", "cpu")), str(conf.get("quant", "int8")), fallback)
+
+    def check(self, cuda_available: bool | None = None) -> "DeviceProfile":
+        """Raise :class:`ProfileError` when this machine cannot run the profile (``gpu`` without
+        CUDA and without fallback, ``edge`` without ONNX Runtime); a device checks this at its
+        first message, before any round. Returns ``self``."""
+        if self.profile == "edge":
+            check_edge()
+        elif self.profile == "gpu" and not self.fallback:
+            if cuda_available is None:
+                import torch
+
+                cuda_available = torch.cuda.is_available()
+            if not cuda_available:
+                self.torch_device(cuda_available=False)  # raises
+        return self
 
     def torch_device(self, cuda_available: bool | None = None) -> str:
         """The torch device the ``cpu`` / ``gpu`` profiles run on (``edge`` runs ONNX Runtime on
@@ -142,19 +165,25 @@ class OnnxDecoder:
         except ImportError as exc:
             raise ProfileError(f"device profile edge needs onnxruntime: {exc}") from None
         self.folder = Path(folder)
+        redo = "re-export it (edgefuse models export NAME --quant Q --force)"
         try:
             meta = json.loads((self.folder / "genai_config.json").read_text())["model"]
             dec = meta["decoder"]
             self.kv_heads, self.head_size = int(dec["num_key_value_heads"]), int(dec["head_size"])
             self.num_layers, self.vocab_size = int(dec["num_hidden_layers"]), int(meta["vocab_size"])
+            self.context_length = int(meta.get("context_length", 2 ** 31 - 1))
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ProfileError(f"{self.folder}: not an ONNX export ({type(exc).__name__}: {exc})") from None
+            raise ProfileError(f"{self.folder}: not an ONNX export ({type(exc).__name__}: {exc}); {redo}") from None
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = max(int(threads), 1)
         opts.inter_op_num_threads = 1
         opts.log_severity_level = 3
-        self.session = ort.InferenceSession(str(self.folder / "model.onnx"), opts,
-                                            providers=["CPUExecutionProvider"])
+        try:
+            self.session = ort.InferenceSession(str(self.folder / "model.onnx"), opts,
+                                                providers=["CPUExecutionProvider"])
+        except Exception as exc:  # ONNX Runtime's own error types: a truncated or corrupt file
+            first = (str(exc).splitlines() or [""])[0][:160]
+            raise ProfileError(f"{self.folder}: ONNX Runtime cannot load this export ({first}); {redo}") from None
         names = [i.name for i in self.session.get_inputs()]
         self.past_names = [f"past_key_values.{i}.{kv}" for i in range(self.num_layers) for kv in ("key", "value")]
         missing = [n for n in ["input_ids", "attention_mask", *self.past_names] if n not in names]
@@ -187,17 +216,29 @@ class OnnxDecoder:
             the KV cache of all ``P + S`` positions.
 
         Raises:
-            ValueError: no ids, an id outside ``[0, V)``, or a cache of the wrong layout.
+            ValueError: no ids, ids that are not integers or lie outside ``[0, V)``, a cache of
+                the wrong layout (count, shape, dtype), or more positions than the export's
+                ``context_length``.
         """
-        ids = np.asarray(list(ids), dtype=np.int64)
+        ids = np.asarray(list(ids))
         if ids.ndim != 1 or ids.size == 0:
             raise ValueError("forward needs at least one token id")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"token ids must be integers, got {ids.dtype}")
+        ids = ids.astype(np.int64)
         if ids.min() < 0 or ids.max() >= self.vocab_size:
             raise ValueError(f"token id outside the vocabulary [0, {self.vocab_size})")
         if len(past) != len(self.past_names):
             raise ValueError(f"a KV cache of {len(past)} arrays, the graph takes {len(self.past_names)}")
         start = self.length(past)
+        for p in past:
+            if getattr(p, "dtype", None) != np.float32 or p.shape != (1, self.kv_heads, start, self.head_size):
+                raise ValueError(f"a KV cache array of {getattr(p, 'dtype', type(p))} "
+                                 f"{getattr(p, 'shape', '?')}, the graph takes float32 "
+                                 f"(1, {self.kv_heads}, {start}, {self.head_size})")
         total = start + int(ids.size)
+        if total > self.context_length:
+            raise ValueError(f"{total} positions exceed the export's context length {self.context_length}")
         feed = {"input_ids": ids[None], "attention_mask": np.ones((1, total), np.int64)}
         if self.position_ids:
             feed["position_ids"] = np.arange(start, total, dtype=np.int64)[None]

@@ -38,6 +38,7 @@ from edgefuse.app.device import check_floor
 from edgefuse.cloud.target import tokenizer_fingerprint
 from edgefuse.config import client_entry, from_json
 from edgefuse.privacy.audit import flower_mod, watch_canaries
+from edgefuse.runtime import DeviceProfile
 from edgefuse.lora import (MalformedUpdateError, adapter_nbytes, check_received_adapter,
                            set_adapter_state, unpack_adapter)
 
@@ -55,12 +56,15 @@ def _client(msg: Message, context: Context) -> LocalClient:
             node's federation entry, or none; nothing is loaded or applied.
         FloorViolation: the message's config is looser than this device's privacy floor
             (:func:`edgefuse.app.device.check_floor`); nothing is loaded, run or sent.
+        edgefuse.runtime.ProfileError: a device profile this node cannot run or a misspelt
+            ``device-*`` node config key (:meth:`edgefuse.runtime.DeviceProfile.check`).
     """
     conf = msg.content["config"]
     cfg, partition_id = from_json(str(conf["cfg"])), int(context.node_config["partition-id"])
     entry = client_entry(cfg, partition_id)
     check_group(conf, str(entry.model), int(entry.lora_rank), msg.metadata.message_type)
     check_floor(cfg, entry, context.node_config, msg.metadata.message_type)  # before anything runs
+    DeviceProfile.of(entry, context.node_config).check()  # a runtime this device cannot run: refused now
     client = LocalClient.load(cfg, partition_id, int(context.node_config["num-partitions"]))
     watch_canaries(client.cfg, client.slot["tok"])
     return client

@@ -32,6 +32,17 @@ EDGE_SLMS = ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"]
 CACHE_HELP = "model cache root (default: paths.cache_dir, $EDGEFUSE_CACHE, ~/.cache/edgefuse)"
 
 
+def _positive(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
 def _models(argv: list[str]) -> int:
     parser = Parser(prog="edgefuse models")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -48,18 +59,18 @@ def _models(argv: list[str]) -> int:
     e.add_argument("--quant", default="int8", choices=["fp32", "int8", "int4"],
                    help="weight quantization (default int8: MatMulNBits, 32 weights per scale)")
     e.add_argument("--force", action="store_true", help="rebuild even when the export is cached")
-    e.add_argument("--threads", type=int, default=None, help="torch threads while building")
+    e.add_argument("--threads", type=_positive, default=None, help="torch threads while building")
     e.add_argument("--cache-dir", default=None, help=CACHE_HELP)
     args = parser.parse_args(argv)
     cache = resolve_paths(cache_dir=args.cache_dir).cache_dir
     if args.cmd == "export":
-        from edgefuse.export import export_onnx, load_adapted
+        from edgefuse.export import check_exportable, export_onnx, load_adapted
         from edgefuse.runtime import ProfileError
 
         try:
-            model, tok = load_adapted(args.name, args.adapter, cache)
-            ex = export_onnx(args.name, args.quant, model=model if args.adapter else None,
-                             tok=tok if args.adapter else None, root=cache, force=args.force,
+            check_exportable(args.name, args.quant)  # before any weight is loaded
+            model, tok = load_adapted(args.name, args.adapter, cache) if args.adapter else (None, None)
+            ex = export_onnx(args.name, args.quant, model=model, tok=tok, root=cache, force=args.force,
                              threads=args.threads)
         except (ModelSpecError, ModelFetchError, ProfileError, ValueError) as e:
             raise CLIError(e) from None

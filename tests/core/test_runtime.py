@@ -10,7 +10,7 @@ pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxruntime_genai")
 
 from edgefuse.cloud.decoding import EdgeLM, OnnxEdgeLM  # noqa: E402
-from edgefuse.export import export_folder, export_onnx, is_exported  # noqa: E402
+from edgefuse.export import export_folder, export_key, export_onnx, is_exported  # noqa: E402
 from edgefuse.lora import attach_lora, get_adapter_state, merged_state_dict, set_adapter_state  # noqa: E402
 from edgefuse.models import tiny_model  # noqa: E402
 from edgefuse.runtime import DeviceProfile, OnnxDecoder, ProfileError  # noqa: E402
@@ -142,7 +142,7 @@ def test_int8_export_runs_and_is_smaller(root, exported):
         ref = model(input_ids=torch.tensor([ids])).logits[0].numpy()
     assert logits.shape == ref.shape and np.isfinite(logits).all()
     assert np.abs(logits - ref).max() < 0.1 * np.abs(ref).max()  # close, not equal
-    assert q.folder == export_folder("tiny-qwen2", "int8", "base", root)
+    assert q.folder == export_folder("tiny-qwen2", "int8", export_key("tiny-qwen2", root=root)[1], root)
     size = lambda f: sum(p.stat().st_size for p in f.iterdir())  # noqa: E731
     assert size(q.folder) < size(exported["tiny-qwen2"].folder)
 
@@ -201,3 +201,70 @@ def test_a_bad_device_entry_is_refused_before_any_round():
         compose("tiny", ["+federation.clients.0.device={profile: tpu}"])
     cfg = compose("tiny", ["+federation.clients.3.device={profile: edge, quant: int4}"])
     assert DeviceProfile.of(cfg.federation.clients[3]) == DeviceProfile("edge", "int4")
+
+
+def test_export_key_follows_the_lora_config_and_the_model_config(root):
+    """The same LoRA weights at another alpha, or the same weights under another RoPE base,
+    are other graphs: other cache ids (so no stale export is reused)."""
+    model, tok = tiny_model("llama")
+    a = attach_lora(model, rank=4, alpha=8, dropout=0.0, target_modules=["q_proj"], seed=0)
+    m2, _ = tiny_model("llama")
+    b = attach_lora(m2, rank=4, alpha=64, dropout=0.0, target_modules=["q_proj"], seed=0)
+    set_adapter_state(b, get_adapter_state(a))
+    (ad_a, key_a), (ad_b, key_b) = export_key("tiny-llama", a), export_key("tiny-llama", b)
+    assert ad_a == ad_b and key_a != key_b  # same weights, other scaling
+    p1, _ = tiny_model("llama")
+    p2, _ = tiny_model("llama")
+    p2.config.rope_theta = 1234.0
+    assert export_key("tiny-llama", p1)[1] != export_key("tiny-llama", p2)[1]
+    assert export_key("tiny-llama", p1) == export_key("tiny-llama", tiny_model("llama")[0])
+
+
+def test_a_damaged_export_is_rebuilt_and_a_corrupt_one_refused_in_one_line(tmp_path):
+    ex = export_onnx("tiny-llama", "fp32", root=tmp_path)
+    data = ex.folder / "model.onnx.data"
+    data.write_bytes(data.read_bytes()[:1000])  # truncated: no longer what the metadata lists
+    assert not is_exported(ex.folder)
+    again = export_onnx("tiny-llama", "fp32", root=tmp_path)
+    assert not again.reused and is_exported(again.folder)
+    (again.folder / "model.onnx").write_bytes(b"not a protobuf")
+    with pytest.raises(ProfileError, match="ONNX Runtime cannot load this export.*--force"):
+        OnnxDecoder(again.folder)
+
+
+def test_old_exports_are_pruned(tmp_path):
+    """Each new adapter is a new export; only the newest two of a model and quantization stay."""
+    model, tok = tiny_model("llama")
+    peft = attach_lora(model, rank=2, alpha=4, dropout=0.0, target_modules=["q_proj"], seed=0)
+    state = get_adapter_state(peft)
+    folders = []
+    for i in range(3):
+        set_adapter_state(peft, {k: v + 0.01 * (i + 1) for k, v in state.items()})
+        folders.append(export_onnx("tiny-llama", "int8", model=peft, tok=tok, root=tmp_path).folder)
+    base = export_onnx("tiny-llama", "int8", root=tmp_path).folder  # base exports are never pruned
+    left = sorted(p.name for p in folders[0].parent.iterdir())
+    assert left == sorted([f.name for f in folders[1:]] + [base.name]) and not folders[0].exists()
+
+
+def test_onnx_decoder_checks_the_cache_layout_and_the_context(exported):
+    dec = OnnxDecoder(exported["tiny-llama"].folder)
+    past = dec.empty()
+    with pytest.raises(ValueError, match="integers"):
+        dec.forward([1.7, 2.2], past)
+    bad = [np.zeros((1, dec.kv_heads, 0, dec.head_size + 1), np.float32) for _ in past]
+    with pytest.raises(ValueError, match="KV cache array"):
+        dec.forward([1], bad)
+    with pytest.raises(ValueError, match="KV cache array"):
+        dec.forward([1], [p.astype(np.float64) for p in past])
+    with pytest.raises(ValueError, match="context length"):
+        dec.forward([1] * (dec.context_length + 1), past)
+
+
+def test_node_config_keys_are_checked():
+    with pytest.raises(ProfileError, match="unknown node config key"):
+        DeviceProfile.of(None, {"device-fallbak": "false"})
+    assert DeviceProfile.of(None, {"device-profile": "gpu", "device-fallback": "false"}).fallback is False
+    assert DeviceProfile.of(None, {"device-dir": "/x", "partition-id": 0}).profile == "cpu"
+    with pytest.raises(ProfileError, match="no CUDA"):
+        DeviceProfile("gpu", fallback=False).check(cuda_available=False)
+    assert DeviceProfile("gpu").check(cuda_available=False).profile == "gpu"  # falls back later
