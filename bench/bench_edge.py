@@ -533,6 +533,10 @@ def main(argv=None) -> int:
                    {"kind": "memory", "model": m, "phase": "train", "new_tokens": 8, "checkpointing": ckpt})
         ids = prompt_ids_for(m, 2)  # the device gets its prompts in the message: no dataset loaded
         for runtime, q in [("torch", "fp32"), ("onnx", "int8")] + ([("onnx", "int4")] if small else []):
+            if runtime == "onnx" and f"memory/{m}/decode/{runtime}-{q}" not in cells:
+                from edgefuse.export import export_onnx
+
+                export_onnx(m, q)  # here, not in the measured process (reused when it exists)
             do(f"memory/{m}/decode/{runtime}-{q}", {"kind": "memory", "model": m, "phase": "decode",
                                                      "runtime": runtime, "quant": q, "prompt_ids": ids,
                                                      "new_tokens": args.new_tokens})
