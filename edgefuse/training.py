@@ -84,7 +84,7 @@ def train_steps(
     device = next(model.parameters()).device
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if gradient_checkpointing:
-        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     # Dropout noise from (seed, round), not from whatever this worker process ran before:
     # the same config gives the same adapters on any schedule; the caller's RNG is untouched.
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -100,7 +100,7 @@ def train_steps(
             losses.append(float(loss.detach()))
             tokens += n
     if gradient_checkpointing:
-        base.gradient_checkpointing_disable()
+        base.activation_checkpointing_disable()
     model.eval()
     return {
         "train_loss": sum(losses) / len(losses),
