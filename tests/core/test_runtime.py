@@ -50,27 +50,32 @@ def test_fp32_onnx_logits_match_pytorch(exported, name):
 
 @pytest.mark.parametrize("name", list(TINY))
 def test_runtime_conformance_prefill_steps_rollback(exported, name):
-    """Both implementations, driven through prefill, single steps, a rollback and a re-feed
-    of several tokens, give the next-token logits of one full forward at every point."""
+    """Both implementations, driven through prefill, single steps, a rollback and a re-feed of
+    *other* tokens (a stale cache would show), give the next-token logits of one full forward
+    of the sequence they hold at every point."""
     model, tok = tiny_model(TINY[name])
     ids = _prompt(tok, 30, seed=1)
+    alt = ids[:14] + _prompt(tok, 8, seed=9)  # the same prefix, then other tokens
+    assert alt[14:19] != ids[14:19]
     with torch.no_grad():
         ref = model(input_ids=torch.tensor([ids])).logits[0]
+        ref_alt = model(input_ids=torch.tensor([alt])).logits[0]
     for lm in (EdgeLM(model, tok), OnnxEdgeLM(OnnxDecoder(exported[name].folder), tok)):
         lm.start(ids[:10])
-        got = {9: lm.logits()}
+        got = {("ids", 9): lm.logits()}
         for i in range(10, 20):
             lm.push(ids[i])
-            got[i] = lm.logits()
-        lm.rollback(14)  # drop 6 tokens, then feed 5 at once
+            got[("ids", i)] = lm.logits()
+        lm.rollback(14)  # drop 6 cached tokens, then feed 5 others at once
         assert lm.tokens == ids[:14]
-        lm.sync(ids[:19])
-        got[18] = lm.logits()
+        lm.sync(alt[:19])
+        got[("alt", 18)] = lm.logits()
         lm.rollback(12)
-        lm.push(ids[12])
-        got[12] = lm.logits()
-        for i, row in got.items():
-            assert torch.allclose(row, ref[i], atol=1e-4), (type(lm).__name__, i)
+        lm.push(alt[12])
+        got[("alt", 12)] = lm.logits()
+        for (seq, i), row in got.items():
+            want = (ref if seq == "ids" else ref_alt)[i]
+            assert torch.allclose(row, want, atol=1e-4), (type(lm).__name__, seq, i)
 
 
 def test_greedy_decoding_identical(exported):
