@@ -33,14 +33,14 @@ CACHE_HELP = "model cache root (default: paths.cache_dir, $EDGEFUSE_CACHE, ~/.ca
 
 
 def _positive(text: str) -> int:
-    """An argparse type: an integer >= 1."""
+    """An argparse type: an integer >= 1 (:func:`edgefuse.config.positive_int`)."""
+    from edgefuse.config import ConfigError, positive_int
+
     try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return value
+        positive_int(text, "the value")
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return int(text)
 
 
 def _models(argv: list[str]) -> int:

@@ -25,7 +25,7 @@ from edgefuse.cloud.decoding import (MODES, DecodeConfig, DecodeResult, Decoder,
                                      EdgeLM, OnnxEdgeLM, drafter_factory)
 
 log = logging.getLogger(__name__)
-ONNX_FULL_HEAD = ("pruned_head", "shallow")  # drafters that need the model's insides
+FULL_HEAD_ONLY = ("pruned_head", "shallow")  # drafters an ONNX or GPU device replaces by full_head
 
 ROW_FIELDS = ("mode", "rtt_ms", "devices", "tokens_per_s", "aggregate_tokens_per_s",
               "round_trips_per_token", "bytes_down_per_token", "bytes_up_per_token",
@@ -149,7 +149,8 @@ def run_devices(model, tok, queries: list[Query], modes: list[str], cfg: DecodeC
     ``runtime``: an :class:`~edgefuse.runtime.OnnxDecoder` the devices run instead of
     ``model`` (the ``edge`` profile; each device an :class:`~edgefuse.cloud.decoding.OnnxEdgeLM`
     over it, unbatched). It has no hidden states, so a ``pruned_head`` or ``shallow`` drafter
-    becomes ``full_head`` (logged; the rows name the drafter used).
+    becomes ``full_head`` (logged; the rows name the drafter used); so does a ``model`` on a
+    GPU (the ``gpu`` profile), which is not batched either.
 
     Returns:
         ``(records, wall_s)``: one :class:`Record` per (query, mode), and the wall time of
@@ -171,14 +172,16 @@ def run_devices(model, tok, queries: list[Query], modes: list[str], cfg: DecodeC
         raise ValueError(f"unknown decoding modes {unknown}; choose from {', '.join(MODES)}")
     need_link = any(m != "edge" for m in modes)
     prompts = [prompt_ids(q, tok, max_prompt_tokens) for q in queries]
+    # the CPU batcher and the pruned head / shallow views serve a PyTorch model on the CPU only
+    plain_cpu = runtime is None and next(model.parameters()).device.type == "cpu"
     batcher = None
-    if batch_devices and devices > 1 and runtime is None:
+    if batch_devices and devices > 1 and plain_cpu:
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         batcher = DraftBatcher(model, int(pad or 0))
     if drafter is None:
         drafter = DrafterSpec("pruned_head" if head is not None else "full_head")
-    if runtime is not None and drafter.name in ONNX_FULL_HEAD:
-        log.warning("the edge runtime drafts with the full head (int8 in the graph), not %s", drafter.name)
+    if not plain_cpu and drafter.name in FULL_HEAD_ONLY:
+        log.warning("an ONNX Runtime or GPU device drafts with its full head, not %s", drafter.name)
         drafter, head = replace(drafter, name="full_head"), None
     make_drafter = drafter_factory(drafter, head)
     if runtime is not None:

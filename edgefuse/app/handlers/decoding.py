@@ -145,23 +145,20 @@ def decode(msg: Message, context: Context, client) -> RecordDict:
                                                    root=cfg.paths.cache_dir),
                                  cfg.data, int(cfg.seed), cfg.paths.cache_dir)
     dmodel, runtime, facts = device_runtime(cfg, client, context.node_config)
-    gpu = facts["runtime"] == "torch-cuda"  # drafts with the full head, unbatched, on the GPU
     threads = torch.get_num_threads()
     torch.set_num_threads(int(c.threads))
     try:
         records, wall = run_devices(
             dmodel, tok, sent, list(c.modes), dcfg, host, port, wan, int(c.devices),
             tokenizer_fingerprint(tok), max_prompt_tokens=int(c.eval.max_prompt_tokens),
-            head=None if gpu else head, drafter=DrafterSpec("full_head") if gpu else spec, split=split,
-            runtime=runtime, batch_devices=not gpu, **keys)
+            head=head, drafter=spec, split=split, runtime=runtime, **keys)
         n_live = int(cfg.privacy.probe.get("live_canaries", 0)) if cfg.get("privacy") and cfg.privacy.enabled else 0
         if n_live > 0:  # canaries through the live link: the audit scans these frames
             canaries = _canary_queries(cfg, n_live)
             canary_sent, _ = protect_queries(canaries, mode, model, tok, redactor, max_new, attempts)
             run_devices(dmodel, tok, canary_sent, ["spec_sync"], replace(dcfg, max_new_tokens=4), host, port,
                         wan, 1, tokenizer_fingerprint(tok), max_prompt_tokens=int(c.eval.max_prompt_tokens),
-                        head=None if gpu else head, drafter=DrafterSpec("full_head") if gpu else spec,
-                        runtime=runtime, batch_devices=not gpu, **keys)
+                        head=head, drafter=spec, runtime=runtime, **keys)
     finally:
         torch.set_num_threads(threads)
     by_qid = {q.qid: m for q, m in zip(queries, maps)}

@@ -143,4 +143,4 @@ class OnnxEdgeLM(EdgeLM):
 
     def logits(self) -> torch.Tensor:
         """Full-vocabulary next-token logits ``float32[V]``."""
-        return torch.from_numpy(self._feed()[-1].copy())
+        return torch.from_numpy(self._feed()[-1])
