@@ -451,24 +451,59 @@ _TINY_CHAT_TEMPLATE = (
 )
 
 
-def tiny_tokenizer(chat_template: bool = True):
-    """A small byte-level BPE tokenizer trained in memory (no network), vocab ≤ 512."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+TINY_TOKENIZERS = ("bpe", "bpe_small", "spm")
+_TINY_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. Instruction: answer the question.",
+    "Federated learning trains a model across devices without sharing their data.",
+    "### Instruction:\n### Context:\n### Response:\n 0123456789 , . ? ! ' \" ( ) : ;",
+]
+
+
+def tiny_tokenizer(chat_template: bool = True, kind: str = "bpe"):
+    """A small tokenizer trained in memory (no network).
+
+    ``kind``: ``bpe`` a byte-level BPE (GPT-2 / Qwen style), vocab ≤ 512; ``bpe_small`` another
+    byte-level BPE (vocab ≤ 300, other merges); ``spm`` a SentencePiece-style BPE with ``▁``
+    for spaces and byte fallback (Gemma style). Their ids differ, so tiny models of two kinds
+    stand for a device and a cloud of different tokenizers.
+
+    Raises:
+        ModelSpecError: an unknown ``kind``.
+    """
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    if kind not in TINY_TOKENIZERS:
+        raise ModelSpecError(f"no tiny tokenizer {kind!r}; choose from {', '.join(TINY_TOKENIZERS)}")
     specials = ["<pad>", "<bos>", "<eos>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
-    tk = Tokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    corpus = [
-        "The quick brown fox jumps over the lazy dog. Instruction: answer the question.",
-        "Federated learning trains a model across devices without sharing their data.",
-        "### Instruction:\n### Context:\n### Response:\n 0123456789 , . ? ! ' \" ( ) : ;",
-    ] * 20
-    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tk.train_from_iterator(corpus, trainer=trainer)
+    corpus = _TINY_CORPUS * 20 if kind != "bpe_small" else list(reversed(_TINY_CORPUS)) * 7
+    if kind == "spm":
+        tk = Tokenizer(models.BPE())
+        tk.normalizer = normalizers.Replace(" ", "\u2581")
+        tk.pre_tokenizer = pre_tokenizers.Split("\u2581", behavior="merged_with_next")
+        tk.train_from_iterator(corpus, trainer=trainers.BpeTrainer(
+            vocab_size=400, special_tokens=specials, show_progress=False))
+        spec = json.loads(tk.to_str())["model"]
+        vocab = dict(spec["vocab"])
+        for b in range(256):
+            vocab.setdefault(f"<0x{b:02X}>", len(vocab))
+        merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in spec["merges"]]
+        tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True))
+        tk.normalizer = normalizers.Replace(" ", "\u2581")
+        tk.pre_tokenizer = pre_tokenizers.Split("\u2581", behavior="merged_with_next")
+        tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                        decoders.Fuse()])
+        tk.add_special_tokens(specials)
+    else:
+        tk = Tokenizer(models.BPE())
+        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tk.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=512 if kind == "bpe" else 300, special_tokens=specials,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                      show_progress=False)
+        tk.train_from_iterator(corpus, trainer=trainer)
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", bos_token="<bos>",
                                   eos_token="<eos>")
     if chat_template:
@@ -491,8 +526,9 @@ def model_config(name: str, root: str | os.PathLike | None = None):
     return AutoConfig.from_pretrained(resolve_path(spec, root))
 
 
-def tiny_model(arch: str, seed: int = 0):
-    """A random-weight model of ``arch`` (``llama``, ``gemma3_text``, ``qwen2``) + tokenizer.
+def tiny_model(arch: str, seed: int = 0, tokenizer: str = "bpe"):
+    """A random-weight model of ``arch`` (``llama``, ``gemma3_text``, ``qwen2``) + tokenizer
+    (:func:`tiny_tokenizer` of kind ``tokenizer``).
 
     Shapes keep each architecture's quirks at toy size: grouped-query attention
     (kv_heads < heads), Gemma 3's sliding-window/full layer mix, head_dim ≠ hidden/heads.
@@ -506,7 +542,7 @@ def tiny_model(arch: str, seed: int = 0):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    tok = tiny_tokenizer(chat_template=arch != "gemma3_text")
+    tok = tiny_tokenizer(chat_template=arch != "gemma3_text", kind=tokenizer)
     common = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,

@@ -34,6 +34,12 @@ loop holds one and never asks which. The edge's own tokens (``edge``, fusion, th
 fallback) always come from the :class:`~edgefuse.cloud.decoding.edge.EdgeLM` with its full
 head.
 
+**A device of another tokenizer** (``cross``, :mod:`edgefuse.cloud.crossvocab`): the loop
+works in the cloud's ids on the cloud's rendering of the prompt, the device's drafter is
+wrapped in a :class:`~edgefuse.cloud.decoding.cross.CrossDrafter`, fusion runs over byte-string
+candidates (:meth:`Decoder._fusion_cross`), and the device's model follows the committed text
+byte for byte. The result's ``tokens`` are then the cloud's ids (``tokenizer = "cross"``).
+
 Speculative modes are lossless: greedy output equals ``cloud``'s token for token and
 sampled output has the target's distribution. If the cloud goes away mid-generation every
 mode carries on edge-only and says so in :attr:`DecodeResult.fallback`.
@@ -53,17 +59,19 @@ from __future__ import annotations
 import collections
 import itertools
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import numpy as np
 import torch
 
 from edgefuse.cloud import protocol as P
+from edgefuse.cloud.crossvocab import ByteFollower, CrossVocab, candidates, fuse_candidates, utf8_boundary
 from edgefuse.cloud.decoding.config import MODES, SPLIT_MODES, DecodeConfig, DecodeError
+from edgefuse.cloud.decoding.cross import CrossDrafter
 from edgefuse.cloud.decoding.drafters import Draft, Drafter, FullHeadDrafter, drafter_for
 from edgefuse.cloud.decoding.edge import EdgeLM
 from edgefuse.cloud.decoding.result import DecodeResult
-from edgefuse.cloud.fusion import FusionConfig, fuse
+from edgefuse.cloud.fusion import FusionConfig, cloud_logprobs, edge_weight, fuse
 from edgefuse.cloud.speculative import GammaController
 
 SPEC_MODES = ("spec_sync", "spec_async", "split_spec")  # the modes that draft with the decoder's drafter
@@ -104,11 +112,17 @@ class Decoder:
             if it has one, else its full head).
         split: the target's device parts for ``split`` / ``split_spec``
             (:class:`~edgefuse.cloud.decoding.split.SplitDevice`; None: those modes raise).
+        cross: the device's and the cloud's vocabularies when they differ
+            (:class:`~edgefuse.cloud.crossvocab.CrossVocab`; ``fingerprint`` is then the
+            cloud tokenizer's, and every link mode needs the cloud's ids of the prompt).
     """
 
     def __init__(self, edge: EdgeLM, link=None, fingerprint: str = "", rtt_ms: float = 20.0,
-                 drafter: Drafter | None = None, split=None):
+                 drafter: Drafter | None = None, split=None, cross: CrossVocab | None = None):
         self.edge, self.link, self.fingerprint = edge, link, fingerprint
+        self.cross = cross
+        self._ends = edge.eos_ids  # the end ids of the generation in progress (its vocabulary)
+        self._device_prompt: list[int] = []
         self.split = split
         self._session = None  # the split session of the generation in progress
         self.drafter = drafter if drafter is not None else drafter_for(edge)
@@ -124,10 +138,14 @@ class Decoder:
 
     # -- public ----------------------------------------------------------------------
 
-    def generate(self, mode: str, prompt: list[int], cfg: DecodeConfig) -> DecodeResult:
-        """Generate up to ``cfg.max_new_tokens`` after ``prompt`` in ``mode``.
+    def generate(self, mode: str, prompt: list[int], cfg: DecodeConfig,
+                 cloud_prompt: list[int] | None = None) -> DecodeResult:
+        """Generate up to ``cfg.max_new_tokens`` after ``prompt`` (the device's ids) in ``mode``;
+        with ``cross``, a link mode decodes after ``cloud_prompt`` (the cloud's ids of the same
+        prompt, in its own template) and the device follows on ``prompt``.
 
-        Raises :class:`DecodeError` for an unknown mode or a link mode without a link, and
+        Raises :class:`DecodeError` for an unknown mode, a link mode without a link or (with
+        ``cross``) without ``cloud_prompt``, and
         :class:`edgefuse.cloud.protocol.RemoteError` when the cloud refuses the session (``fingerprint``:
         another tokenizer; ``context``: too long). The cloud sees only what ``cfg.auth``
         lets it keep and attend to. A cloud that is unreachable, busy, or fails
@@ -138,7 +156,16 @@ class Decoder:
             raise DecodeError(f"mode {mode!r} needs a cloud link")
         if mode in SPLIT_MODES and self.split is None:
             raise DecodeError(f"mode {mode!r} needs the target's device layers (cloud.split)")
-        res = DecodeResult(mode=mode, tokens=[])
+        cross = self.cross if mode != "edge" else None
+        if cross is not None and cloud_prompt is None:
+            raise DecodeError(f"mode {mode!r} of a device of another tokenizer needs the cloud's "
+                              "ids of the prompt (cloud_prompt)")
+        res = DecodeResult(mode=mode, tokens=[], tokenizer="cross" if cross else
+                           "own" if mode == "edge" else "same")
+        self._device_prompt = list(prompt)
+        self._ends = cross.cloud.ends if cross is not None else self.edge.eos_ids
+        if cross is not None:
+            prompt = list(cloud_prompt)
         table = mode + ("/sync" if mode == "split_spec" and not cfg.split_pipeline else "")
         self._mode_samples = self._samples.setdefault(table, {})
         gen = torch.Generator().manual_seed(cfg.seed)
@@ -146,6 +173,8 @@ class Decoder:
         c0 = self._counters()
         # cloud (γ = 0), edge and fusion draft nothing: the edge itself follows the output
         drafter = self.drafter if mode in SPEC_MODES else FullHeadDrafter(self.edge)
+        if cross is not None:  # the loop sees the cloud's ids; the device follows on bytes
+            drafter = CrossDrafter(drafter, cross, self._device_prompt)
         drafter.start(prompt)
         res.drafter = drafter.name if mode in SPEC_MODES else None
         if mode != "edge":
@@ -167,8 +196,9 @@ class Decoder:
                         or (isinstance(exc, P.RemoteError) and exc.code != "busy"):
                     raise  # a refused pair (fingerprint, context), a lying cloud: an error, not an outage
                 res.fallback = f"cloud unavailable at the start ({exc}); edge only"
-                mode, res.drafter = "edge", None
-                self.edge.sync(prompt)
+                mode, res.drafter, cross = "edge", None, None
+                res.tokenizer, self._ends = "own", self.edge.eos_ids
+                self.edge.sync(self._device_prompt)
         t1 = time.perf_counter()
         res.prefill_s = t1 - t0
         c1 = self._counters()
@@ -180,11 +210,10 @@ class Decoder:
                 self._speculative(prompt, cfg, gen, res, drafter, gamma0=mode in ("cloud", "split"))
             elif mode in ("spec_async", "split_spec"):
                 self._speculative_async(prompt, cfg, gen, res, drafter)
+            elif cross is not None:
+                self._fusion_cross(prompt, cfg, self._fusion_config(mode, cfg), gen, res)
             else:
-                fcfg = cfg.fusion
-                if (mode == "fusion_adaptive") != fcfg.adaptive:
-                    fcfg = FusionConfig(**{**asdict(fcfg), "adaptive": mode == "fusion_adaptive"})
-                self._fusion(prompt, cfg, fcfg, gen, res)
+                self._fusion(prompt, cfg, self._fusion_config(mode, cfg), gen, res)
         finally:
             res.decode_s = time.perf_counter() - t1
             if mode != "edge" and res.fallback is None:
@@ -192,8 +221,16 @@ class Decoder:
             self._session = None
             c2 = self._counters()
             res.bytes_up, res.bytes_down, res.round_trips = (c2[i] - c1[i] for i in range(3))
-        res.text = self.edge.tok.decode(res.tokens, skip_special_tokens=True)
+        tok = self.cross.cloud_tok if res.tokenizer == "cross" else self.edge.tok
+        res.text = tok.decode(res.tokens, skip_special_tokens=True)
         return res
+
+    @staticmethod
+    def _fusion_config(mode: str, cfg: DecodeConfig) -> FusionConfig:
+        fcfg = cfg.fusion
+        if (mode == "fusion_adaptive") != fcfg.adaptive:
+            fcfg = FusionConfig(**{**asdict(fcfg), "adaptive": mode == "fusion_adaptive"})
+        return fcfg
 
     def _open(self, prompt: list[int], cfg: DecodeConfig) -> None:
         """Start a session on the link, sending only the prompt ids the cloud may keep
@@ -239,8 +276,20 @@ class Decoder:
             self.link.send(P.Close())
         except (ConnectionError, OSError):
             pass
-        self.edge.sync(committed)  # the edge may have drafted, or not followed the drafter
-        self._edge_only(cfg, gen, res)
+        if res.tokenizer != "cross":
+            self.edge.sync(committed)  # the edge may have drafted, or not followed the drafter
+            self._edge_only(cfg, gen, res)
+            return
+        # another tokenizer: the device follows the committed text, goes on in its own ids, and
+        # its text joins the result in the cloud's ids
+        cv = self.cross
+        follow = ByteFollower(self.edge, cv.device_tok, cv.device, len(self._device_prompt))
+        follow.sync(cv.cloud.join(res.tokens))
+        mark = len(self.edge.tokens)
+        own = DecodeResult(mode=res.mode, tokens=[])
+        self._edge_only(replace(cfg, max_new_tokens=max(cfg.max_new_tokens - len(res.tokens), 0)), gen, own)
+        data = cv.device.join(self.edge.tokens[mark:])
+        res.tokens.extend(cv.cloud_ids(data[:utf8_boundary(data)]))
 
     def _next_req(self) -> int:
         self._req = (self._req + 1) % 2**32
@@ -299,7 +348,7 @@ class Decoder:
         ahead = drafter.observe(n, int(token))
         committed.extend(new)
         self._held = cfg.auth.held(len(committed))
-        kept, done = _stop(res.tokens + new, self.edge.eos_ids, cfg.max_new_tokens)
+        kept, done = _stop(res.tokens + new, self._ends, cfg.max_new_tokens)
         res.tokens[:] = kept
         return done, ahead
 
@@ -479,3 +528,94 @@ class Decoder:
             self._fallback(res, exc, cfg, gen, committed)
         finally:
             res.edge_weight_mean = float(np.mean(weights)) if weights else None
+
+    def _fusion_cross(self, prompt, cfg, fcfg: FusionConfig, gen, res) -> None:
+        """Fusion with a cloud of another tokenizer: per token the cloud's top-k (its ids, as
+        in :meth:`_fusion`) and the device's own top-k meet as byte strings
+        (:func:`~edgefuse.cloud.crossvocab.candidates`); the pick is committed to the cloud in
+        its ids (a top-k entry by id, a device token re-encoded) and the device follows on
+        bytes. ``prompt``: the cloud's ids. A late answer makes the device emit its own
+        token, unless an unfinished character is pending (only the cloud can finish it, so
+        the device waits for the answer)."""
+        link, e, cv = self.link, self.edge, self.cross
+        follow = ByteFollower(e, cv.device_tok, cv.device, len(self._device_prompt))
+        committed = list(prompt)
+        sent_len, unsent = len(prompt), []
+        text = bytearray()
+        weights = []
+        last_answer = time.perf_counter()
+        try:
+            while len(res.tokens) < cfg.max_new_tokens:
+                if time.perf_counter() - last_answer > cfg.timeout_s:
+                    raise TimeoutError(f"no answer from the cloud for {cfg.timeout_s:g} s")
+                msg = P.Fuse(self._next_req(), sent_len, unsent, cfg.fuse_topk, auth=cfg.auth,
+                             context=self._context(committed, sent_len, cfg))
+                link.send(msg)
+                link.count_round_trip()
+                sent_len += len(unsent)
+                unsent = []
+                self._held = cfg.auth.held(sent_len)
+                logits = e.logits() if not follow.unfed else None  # while the request is in flight
+                wait = cfg.deadline_ms / 1000 if logits is not None else cfg.timeout_s
+                reply = self._await_topk(msg.req, wait)
+                if reply is not None:
+                    last_answer = time.perf_counter()
+                if reply is None:
+                    res.deadline_misses += 1
+                    if logits is None:
+                        raise TimeoutError(f"no answer from the cloud for {cfg.timeout_s:g} s")
+                    scores = torch.log_softmax(logits.double(), -1)
+                    j = self._pick(scores, cfg, gen)
+                    if j in e.eos_ids:
+                        break
+                    data, ids, dev = cv.device.table[j], None, j
+                else:
+                    cands = candidates(logits, reply, cv, cfg.fuse_topk)
+                    w = fcfg.weight
+                    if fcfg.adaptive and logits is not None:
+                        w = edge_weight(torch.log_softmax(logits.double(), -1),
+                                        cloud_logprobs(reply, cv.cloud.size), fcfg)
+                    weights.append(w)
+                    fused, best = fuse_candidates(cands, w)
+                    c = cands[best if cfg.temperature == 0 else self._pick(fused, cfg, gen)]
+                    if c.ends:
+                        break
+                    data, dev = c.data, c.device_id
+                    ids = [c.cloud_id] if c.cloud_id is not None else None
+                if ids is None:
+                    ids = cv.cloud_ids(data)
+                text += data
+                if dev is not None and not follow.unfed:
+                    e.push(dev)  # the device's own token: its ids stay its own
+                else:
+                    follow.sync(bytes(text))
+                committed.extend(ids)
+                unsent.extend(ids)
+                res.tokens.extend(ids)
+        except (ConnectionError, OSError, TimeoutError, P.RemoteError) as exc:
+            self._fallback(res, exc, cfg, gen, committed)
+        finally:
+            res.edge_weight_mean = float(np.mean(weights)) if weights else None
+        del res.tokens[cfg.max_new_tokens:]
+
+    def _await_topk(self, req: int, wait_s: float):
+        """The TOPK answering ``req`` if it comes within ``wait_s`` seconds, else None (older,
+        late answers are dropped)."""
+        deadline = time.perf_counter() + wait_s
+        while True:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                return None
+            try:
+                got = self.link.recv(timeout_s=left)
+            except TimeoutError:
+                return None
+            if isinstance(got, P.TopK) and got.req == req:
+                return got
+
+    @staticmethod
+    def _pick(scores: torch.Tensor, cfg, gen) -> int:
+        """The argmax of ``scores`` (log-probabilities) at temperature 0, else a draw."""
+        if cfg.temperature == 0:
+            return int(torch.argmax(scores))
+        return int(torch.multinomial(torch.softmax(scores / cfg.temperature, -1).float(), 1, generator=gen))

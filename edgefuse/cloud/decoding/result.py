@@ -11,7 +11,11 @@ class DecodeResult:
     AES-GCM framing included, handshake excluded), tokens = generated tokens. ``drafter``:
     the name of the drafter that proposed the drafts (``spec_sync`` / ``spec_async``; None
     for the modes that draft nothing); ``split``: the split of ``split`` / ``split_spec``
-    (e.g. ``k2 m2 int8``, ``+ head 768 english``), None otherwise."""
+    (e.g. ``k2 m2 int8``, ``+ head 768 english``), None otherwise; ``tokenizer``: which
+    tokenizer path the generation took (``own``: the device's ids end to end; ``same``: the
+    cloud's ids, which are the device's; ``cross``: the cloud's ids of another tokenizer,
+    re-aligned on bytes, :mod:`edgefuse.cloud.crossvocab`) and so whose ids ``tokens`` are
+    (the device's for ``own`` and ``same``, the cloud's for ``cross``)."""
     mode: str
     tokens: list[int]
     text: str = ""
@@ -30,6 +34,7 @@ class DecodeResult:
     fallback: str | None = None
     drafter: str | None = None
     split: str | None = None
+    tokenizer: str = "own"
 
     @property
     def n(self) -> int:
