@@ -75,7 +75,7 @@ def export_key(name: str, model=None, root=None) -> tuple[str, str]:
     if model is None:
         adapter = "base"
         if spec.tiny:
-            facts["config"] = _config_facts(tiny_model(spec.arch)[0].config.to_dict())
+            facts["config"] = _config_facts(tiny_model(spec.arch, tokenizer=spec.tokenizer)[0].config.to_dict())
         else:
             from edgefuse.models import resolve_path
 
@@ -257,7 +257,7 @@ def _source_folder(spec, model, tok, tmp: Path, root) -> Path:
 
         return Path(resolve_path(spec, root))
     if model is None:
-        model, tok = tiny_model(spec.arch)
+        model, tok = tiny_model(spec.arch, tokenizer=spec.tokenizer)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     tmp.mkdir(parents=True)
     base.save_pretrained(tmp, state_dict=merged_state_dict(model))

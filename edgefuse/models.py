@@ -55,6 +55,8 @@ class ModelSpec:
         target_modules: default LoRA target modules.
         license_note: provenance, shown by ``edgefuse models list``.
         tiny: a random-weight test model built in code (no weights to fetch).
+        tokenizer: a tiny model's :func:`tiny_tokenizer` kind (the three tiny models have
+            three tokenizers, as the real edge SLMs do).
     """
 
     name: str
@@ -68,6 +70,7 @@ class ModelSpec:
     target_modules: tuple[str, ...] = ("q_proj", "v_proj")
     license_note: str = ""
     tiny: bool = False
+    tokenizer: str = "bpe"
 
     @property
     def embedded(self) -> bool:
@@ -122,8 +125,8 @@ REGISTRY: dict[str, ModelSpec] = {
             arch="qwen2",
             license_note="Apache-2.0 upstream; third-party repackaging, pinned by sha256",
         ),
-        ModelSpec(name="tiny-llama", arch="llama", tiny=True),
-        ModelSpec(name="tiny-gemma3", arch="gemma3_text", tiny=True, chat_template=False),
+        ModelSpec(name="tiny-llama", arch="llama", tiny=True, tokenizer="bpe_small"),
+        ModelSpec(name="tiny-gemma3", arch="gemma3_text", tiny=True, chat_template=False, tokenizer="spm"),
         ModelSpec(name="tiny-qwen2", arch="qwen2", tiny=True),
     ]
 }
@@ -356,7 +359,7 @@ def load_model(name: str, root: str | os.PathLike | None = None, allow_fetch: bo
     """
     spec = get_spec(name)
     if spec.tiny:
-        model, tok = tiny_model(spec.arch)
+        model, tok = tiny_model(spec.arch, tokenizer=spec.tokenizer)
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -435,7 +438,7 @@ def load_tokenizer(name: str, root: str | os.PathLike | None = None, allow_fetch
     """
     spec = get_spec(name)
     if spec.tiny:
-        tok = tiny_tokenizer(chat_template=spec.arch != "gemma3_text")
+        tok = tiny_tokenizer(chat_template=spec.arch != "gemma3_text", kind=spec.tokenizer)
     else:
         from transformers import AutoTokenizer
 
@@ -520,15 +523,16 @@ def model_config(name: str, root: str | os.PathLike | None = None):
     """
     spec = get_spec(name)
     if spec.tiny:
-        return tiny_model(spec.arch)[0].config
+        return tiny_model(spec.arch, tokenizer=spec.tokenizer)[0].config
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(resolve_path(spec, root))
 
 
-def tiny_model(arch: str, seed: int = 0, tokenizer: str = "bpe"):
+def tiny_model(arch: str, seed: int = 0, tokenizer: str | None = None):
     """A random-weight model of ``arch`` (``llama``, ``gemma3_text``, ``qwen2``) + tokenizer
-    (:func:`tiny_tokenizer` of kind ``tokenizer``).
+    (:func:`tiny_tokenizer` of kind ``tokenizer``; None: the kind of that architecture's tiny
+    spec, so ``tiny_model("llama")`` and ``load_model("tiny-llama")`` share a tokenizer).
 
     Shapes keep each architecture's quirks at toy size: grouped-query attention
     (kv_heads < heads), Gemma 3's sliding-window/full layer mix, head_dim ≠ hidden/heads.
@@ -542,6 +546,8 @@ def tiny_model(arch: str, seed: int = 0, tokenizer: str = "bpe"):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
+    if tokenizer is None:
+        tokenizer = next((sp.tokenizer for sp in REGISTRY.values() if sp.tiny and sp.arch == arch), "bpe")
     tok = tiny_tokenizer(chat_template=arch != "gemma3_text", kind=tokenizer)
     common = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,

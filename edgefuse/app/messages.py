@@ -151,16 +151,40 @@ def ask(grid, strategy, node, message_type: str, records: Mapping | None = None,
     Raises:
         NodeError: no reply within ``timeout``, or an error reply (its last line quoted).
     """
-    content, _ = strategy.content(round_idx, strategy.client_state(node), node)
-    for name, rec in (records or {}).items():
-        content[name] = rec
-    msg = Message(content, dst_node_id=int(node.node_id), message_type=message_type)
-    replies = list(grid.send_and_receive([msg], timeout=timeout))
-    if not replies:
-        raise NodeError(f"{_who(node)} did not answer {message_type} within {timeout:.0f} s")
-    if replies[0].has_error():
-        raise NodeError(f"{_who(node)} {message_type}: {last_line(replies[0].error.reason)}")
-    return Reply(node, message_type, replies[0].content)
+    (reply,) = ask_many(grid, strategy, [node], message_type, records, timeout=timeout, round_idx=round_idx)
+    if isinstance(reply, NodeError):
+        raise reply
+    return reply
+
+
+def ask_many(grid, strategy, nodes, message_type: str, records: Mapping | None = None, *,
+             timeout: float, round_idx: int) -> list[Reply | NodeError]:
+    """:func:`ask` of several nodes at once (one ``send_and_receive``: Flower runs them
+    side by side as far as its resources allow). Returns, per node in order, its
+    :class:`Reply` or the :class:`NodeError` that stands for it (no reply within ``timeout``,
+    an error reply, or a reply from a node that was not asked)."""
+    msgs = []
+    for node in nodes:
+        content, _ = strategy.content(round_idx, strategy.client_state(node), node)
+        for name, rec in (records or {}).items():
+            content[name] = rec
+        msgs.append(Message(content, dst_node_id=int(node.node_id), message_type=message_type))
+    replies = list(grid.send_and_receive(msgs, timeout=timeout))
+    by_id = {}
+    for r in replies:
+        by_id.setdefault(int(r.metadata.src_node_id), r)
+    out: list[Reply | NodeError] = []
+    for node in nodes:
+        r = by_id.get(int(node.node_id))
+        if r is None and len(nodes) == len(replies) == 1:
+            r = replies[0]  # one asked, one answered (a grid that does not stamp the sender)
+        if r is None:
+            out.append(NodeError(f"{_who(node)} did not answer {message_type} within {timeout:.0f} s"))
+        elif r.has_error():
+            out.append(NodeError(f"{_who(node)} {message_type}: {last_line(r.error.reason)}"))
+        else:
+            out.append(Reply(node, message_type, r.content))
+    return out
 
 
 def _who(node) -> str:

@@ -21,13 +21,14 @@ from edgefuse.transport.wan import WanProfile
 from edgefuse.eval import stats
 from edgefuse.eval.queries import Query, gsm8k_final, prompt_split, rouge_l
 
+from edgefuse.cloud.crossvocab import encode
 from edgefuse.cloud.decoding import (MODES, DecodeConfig, DecodeResult, Decoder, DraftBatcher, DrafterSpec,
                                      EdgeLM, OnnxEdgeLM, drafter_factory)
 
 log = logging.getLogger(__name__)
 FULL_HEAD_ONLY = ("pruned_head", "shallow")  # drafters an ONNX or GPU device replaces by full_head
 
-ROW_FIELDS = ("mode", "rtt_ms", "devices", "tokens_per_s", "aggregate_tokens_per_s",
+ROW_FIELDS = ("device_model", "tokenizer", "mode", "rtt_ms", "devices", "tokens_per_s", "aggregate_tokens_per_s",
               "round_trips_per_token", "bytes_down_per_token", "bytes_up_per_token",
               "acceptance_rate", "identical_to_target", "agreement_with_target", "ms_per_token",
               "gsm8k_exact_match", "rouge_l", "new_tokens", "deadline_misses", "fallbacks",
@@ -128,7 +129,7 @@ def run_devices(model, tok, queries: list[Query], modes: list[str], cfg: DecodeC
                 batch_devices: bool = True,
                 drafter: DrafterSpec | None = None, identity=None, trust=None,
                 device_keys=None, insecure: bool = False, split=None,
-                runtime=None) -> tuple[list[Record], dict[str, float]]:
+                runtime=None, cross=None) -> tuple[list[Record], dict[str, float]]:
     """Decode every query in every mode with ``devices`` concurrent sessions.
 
     Queries are dealt round-robin to the devices; modes run one after another, each with all
@@ -151,6 +152,9 @@ def run_devices(model, tok, queries: list[Query], modes: list[str], cfg: DecodeC
     over it, unbatched). It has no hidden states, so a ``pruned_head`` or ``shallow`` drafter
     becomes ``full_head`` (logged; the rows name the drafter used); so does a ``model`` on a
     GPU (the ``gpu`` profile), which is not batched either.
+    ``cross``: the device's and the cloud's vocabularies when they differ
+    (:class:`~edgefuse.cloud.crossvocab.CrossVocab`): the link modes decode on the cloud's ids
+    of each prompt (its own chat template) and ``fingerprint`` must be the cloud tokenizer's.
 
     Returns:
         ``(records, wall_s)``: one :class:`Record` per (query, mode), and the wall time of
@@ -172,6 +176,8 @@ def run_devices(model, tok, queries: list[Query], modes: list[str], cfg: DecodeC
         raise ValueError(f"unknown decoding modes {unknown}; choose from {', '.join(MODES)}")
     need_link = any(m != "edge" for m in modes)
     prompts = [prompt_ids(q, tok, max_prompt_tokens) for q in queries]
+    cloud_prompts = [prompt_ids(q, cross.cloud_tok, max_prompt_tokens) for q in queries] \
+        if cross is not None else [None] * len(queries)
     # the CPU batcher and the pruned head / shallow views serve a PyTorch model on the CPU only
     plain_cpu = runtime is None and next(model.parameters()).device.type == "cpu"
     batcher = None
@@ -204,7 +210,7 @@ def run_devices(model, tok, queries: list[Query], modes: list[str], cfg: DecodeC
             links.append(CloudLink.connect(host, port, wan=prof, timeout_s=connect_timeout_s,
                                            identity=ident, trust=tr, insecure=insecure))
         decoders = [Decoder(e, links[d] if links else None, fingerprint, rtt_ms=rtt, drafter=drafters[d],
-                            split=split)
+                            split=split, cross=cross)
                     for d, e in enumerate(edges)]
         for mode in modes:
             done = [0]
@@ -213,7 +219,7 @@ def run_devices(model, tok, queries: list[Query], modes: list[str], cfg: DecodeC
             def work(d: int) -> None:
                 try:
                     for i in range(d, len(queries), devices):
-                        res = decoders[d].generate(mode, prompts[i], cfg)
+                        res = decoders[d].generate(mode, prompts[i], cfg, cloud_prompt=cloud_prompts[i])
                         with lock:
                             records.append(Record(queries[i].qid, queries[i].kind, mode, d, res,
                                                   queries[i].reference))
@@ -247,20 +253,38 @@ def agreement(a: list[int], b: list[int]) -> float:
     return same / max(len(a), len(b))
 
 
+def _id_space(res: DecodeResult) -> str:
+    """Whose ids ``res.tokens`` are: the device's (``own``, ``same``) or the cloud's (``cross``)."""
+    return "cloud" if res.tokenizer == "cross" else "device"
+
+
 def summarize(records: list[Record], wall: dict[str, float], tok, rtt_ms: float, devices: int,
-              greedy: bool) -> list[dict]:
-    """One row per mode (fields :data:`ROW_FIELDS`).
+              greedy: bool, device_model: str | None = None, cloud_tok=None) -> list[dict]:
+    """One row per mode (fields :data:`ROW_FIELDS`), ``device_model`` named in each and the
+    tokenizer path its generations took (``tokenizer``: own / same / cross,
+    :class:`~edgefuse.cloud.decoding.DecodeResult`).
 
     Per-token figures are totals over all generations divided by generated tokens;
     ``tokens_per_s`` is the mean of the sessions' own rates, ``aggregate_tokens_per_s`` all
     tokens over the mode's wall time. Agreement and identity compare each generation with
     the ``cloud`` mode's on the same prompt (``None`` without a ``cloud`` run;
-    ``identical_to_target`` only for greedy decoding); ``drafter``: the drafter of the mode's
-    drafting generations (``spec_sync`` / ``spec_async``; None for the other modes)."""
+    ``identical_to_target`` only for greedy decoding; ids in two vocabularies, as a device of
+    another tokenizer's ``edge`` against its ``cloud``, are compared on ``cloud_tok``'s ids of
+    the two texts, or not at all without it); GSM8K is scored on the text; ``drafter``: the drafter of
+    the mode's drafting generations (``spec_sync`` / ``spec_async``; None for the other modes)."""
     by_mode: dict[str, list[Record]] = {}
     for r in records:
         by_mode.setdefault(r.mode, []).append(r)
-    target = {r.qid: r.result.tokens for r in by_mode.get("cloud", [])}
+    target = {r.qid: r.result for r in by_mode.get("cloud", [])}
+
+    def same_ids(r: Record) -> float | None:
+        ref = target[r.qid]
+        if _id_space(r.result) == _id_space(ref):
+            return agreement(r.result.tokens, ref.tokens)
+        if cloud_tok is None:
+            return None
+        return agreement(encode(cloud_tok, r.result.text), encode(cloud_tok, ref.text))
+
     cloud_rouge = {r.qid: rouge_l(r.result.text, r.reference or "") for r in by_mode.get("cloud", [])
                    if r.kind == "dolly"}
     rows = []
@@ -269,10 +293,10 @@ def summarize(records: list[Record], wall: dict[str, float], tok, rtt_ms: float,
         toks = sum(len(x.tokens) for x in res)
         n = max(toks, 1)
         drafted = sum(x.drafted for x in res)
-        agree_each = [agreement(r.result.tokens, target[r.qid]) for r in recs if r.qid in target]
+        agree_each = [a for a in (same_ids(r) for r in recs if r.qid in target) if a is not None]
         agree = stats.bootstrap_mean_interval(agree_each)
         gsm = stats.proportion([
-            gsm8k_final(tok.decode(r.result.tokens, skip_special_tokens=True)) == r.reference
+            gsm8k_final(r.result.text) == r.reference
             for r in recs if r.kind == "gsm8k"])
         rouge = {r.qid: rouge_l(r.result.text, r.reference or "") for r in recs if r.kind == "dolly"}
         rl = stats.bootstrap_mean_interval(list(rouge.values()))
@@ -283,6 +307,7 @@ def summarize(records: list[Record], wall: dict[str, float], tok, rtt_ms: float,
         drafters = sorted({x.drafter for x in res if x.drafter})
         splits = sorted({x.split for x in res if x.split})
         rows.append({
+            "device_model": device_model, "tokenizer": ",".join(sorted({x.tokenizer for x in res})),
             "mode": mode, "rtt_ms": rtt_ms, "devices": devices,
             "tokens_per_s": float(np.mean([x.tokens_per_s for x in res])),
             "aggregate_tokens_per_s": toks / wall[mode] if wall.get(mode) else None,

@@ -89,6 +89,52 @@ def test_decode_message_drafts_with_the_configured_drafter(name, tmp_path, one_t
     assert all(r["drafter"] is None for r in records if r["mode"] == "cloud")
 
 
+@pytest.mark.parametrize("device", ["tiny-gemma3", "tiny-llama"])
+def test_a_device_of_another_tokenizer_decodes_every_mode_with_the_cloud(device, tmp_path, one_thread):
+    """tiny-gemma3 (a SentencePiece-style tokenizer with byte fallback) and tiny-llama
+    (another byte-level BPE) against a tiny-qwen2 cloud: the handler decodes across the
+    vocabularies in every mode, split inference included (the device runs the target's own
+    first and last layers on the cloud's ids); the records say ``cross`` and carry the cloud's
+    ids; the speculative outputs equal the cloud's, and fusion at weight 0 does too (the split
+    modes equal the unsplit target up to the int8 activations, so only their ids are checked)."""
+    from edgefuse.models import load_model
+
+    cfg = compose("tiny", ["privacy.enabled=false", "cloud.decode.drafter=full_head",
+                           "cloud.decode.fusion_weight=0.0", f"paths.cache_dir={tmp_path}",
+                           "cloud.modes=[edge,cloud,spec_sync,spec_async,fusion_static,fusion_adaptive,split,split_spec]"])
+    from edgefuse.cloud.split_target import SplitTarget
+
+    target, ctok = load_model("tiny-qwen2")  # the split device's layers are this model's
+    model, tok = load_model(device)
+    assert decoding.cloud_vocabulary(cfg, tok)[1] is not None  # the tokenizers differ
+    peft = attach_lora(model, rank=4, alpha=16.0, dropout=0.0, target_modules=lora_targets(cfg, device), seed=0)
+    svc = CloudService(Target(target, ctok, "tiny-target"), "127.0.0.1", 0, max_wait_ms=5,
+                       split=SplitTarget(target, ctok, "tiny-target", None), **service_keys())
+    svc.start_in_thread()
+    try:
+        client = SimpleNamespace(entry=SimpleNamespace(model=device), cfg=cfg, slot={"peft": peft, "tok": tok})
+        reply = decoding.decode(_decode_message(svc.port),
+                                Context(run_id=1, node_id=1, node_config={"partition-id": 0},
+                                        state=RecordDict(), run_config={}), client)
+    finally:
+        svc.stop()
+    rec = reply["decoding"]
+    assert str(rec["tokenizer"]) == "cross"
+    records = {r["mode"]: r for r in json.loads(str(rec["records"]))}
+    assert set(records) == {"edge", "cloud", "spec_sync", "spec_async", "fusion_static", "fusion_adaptive",
+                            "split", "split_spec"}
+    assert records["edge"]["tokenizer"] == "own"
+    cloud = records["cloud"]
+    assert cloud["tokenizer"] == "cross" and cloud["tokens"] and max(cloud["tokens"]) < len(ctok)
+    for mode in ("spec_sync", "spec_async", "fusion_static"):
+        assert records[mode]["tokenizer"] == "cross" and records[mode]["fallback"] is None
+        assert records[mode]["tokens"] == cloud["tokens"], mode
+        assert records[mode]["text"] == ctok.decode(cloud["tokens"], skip_special_tokens=True)
+    for mode in ("split", "split_spec"):
+        assert records[mode]["tokenizer"] == "cross" and records[mode]["fallback"] is None
+        assert records[mode]["tokens"] and max(records[mode]["tokens"]) < len(ctok)
+
+
 def _decode_message(port: int) -> Message:
     q = Query(qid="dolly/0", kind="dolly", instruction="say item 0", context="", choices=None,
               answer=None, reference="", category="c")

@@ -190,31 +190,31 @@ def test_the_client_reports_its_tokenizer_fingerprint():
                       state=RecordDict(), run_config={})
     rec = client_app.info(msg, context).content["info"]
     assert (rec["partition_id"], rec["model"]) == (3, "tiny-gemma3")
-    assert rec["tokenizer"] == tokenizer_fingerprint(tiny_tokenizer(chat_template=False))
+    assert rec["tokenizer"] == tokenizer_fingerprint(tiny_tokenizer(chat_template=False, kind="spm"))
     assert bytes(rec["public_key"]) == handlers.prekey(context).public_bytes()
     assert bytes(rec["identity_key"]) == DeviceHome.of(context.node_config).identity().public_bytes()
     verify_signature(bytes(rec["identity_key"]), bytes(rec["prekey_signature"]),
                      prekey_message("device-3", bytes(rec["public_key"]), context.run_id))
 
 
-def test_a_device_and_cloud_without_one_tokenizer_are_refused_before_round_1(tmp_path, monkeypatch):
-    """The decoding phase's check (device model vs cloud model), run by the ServerApp before
-    it awaits any node: a mismatch is one ConfigError naming both models."""
+def test_a_device_whose_tokens_cannot_meet_the_clouds_on_bytes_is_refused_before_round_1(tmp_path, monkeypatch):
+    """The decoding phase's check (each device model against the cloud model), run by the
+    ServerApp before it awaits any node: a device tokenizer of another tokenizer is fine (it
+    decodes across the vocabularies), one whose tokens cannot be spelled as bytes (a
+    word-level vocabulary) is one ConfigError naming the model."""
     import edgefuse.models
+    from tests.c2c.test_fusers import CHARS, char_tokenizer
 
     real = edgefuse.models.load_tokenizer
 
     def load(name, root=None, allow_fetch=True):
-        tok = real(name, root, allow_fetch)
-        if name == "tiny-llama":
-            tok.add_tokens(["<only-on-the-device>"])
-        return tok
+        return char_tokenizer(CHARS) if name == "tiny-llama" else real(name, root, allow_fetch)
 
     monkeypatch.setattr(edgefuse.models, "load_tokenizer", load)
-    over = "c2c=disabled privacy=disabled outputs.save_adapters=false cloud.device_model=tiny-llama"
+    over = "c2c=disabled privacy=disabled outputs.save_adapters=false"
     log = []
-    with pytest.raises(ConfigError, match="cloud.device_model 'tiny-llama' and cloud.model 'tiny-qwen2' "
-                                          "do not share a tokenizer"):
+    with pytest.raises(ConfigError, match="cloud.device_model: 'tiny-llama' cannot decode with 'tiny-qwen2' "
+                                          "across tokenizers: cannot map"):
         run_main(tmp_path, FakeGrid(log), overrides=over, rounds=1)
     assert log == []  # not one message sent
     res = json.loads((tmp_path / "run" / JSON_NAME).read_text())

@@ -6,7 +6,8 @@ trust store pins (:class:`edgefuse.app.device.DeviceHome`: never a key or a fold
 server's message or config); its model keeps the LoRA adapter the message carried, which never
 leaves the device. ``cloud.devices`` sessions run at once, sharing this model's weights.
 The speculative modes draft with the configured drafter (``cloud.decode.drafter``,
-:func:`device_drafter`).
+:func:`device_drafter`). A device whose tokenizer is not the cloud's decodes across the two
+vocabularies (:func:`cloud_vocabulary`, :mod:`edgefuse.cloud.crossvocab`).
 
 Privacy: every prompt is protected on the device before it goes toward the cloud
 (:func:`edgefuse.privacy.protect.protect_batch` with this client's protection mode: the
@@ -116,6 +117,26 @@ def device_runtime(cfg, client, node_config) -> tuple[object, object, dict]:
     return model, None, facts
 
 
+def cloud_vocabulary(cfg, tok):
+    """``(fingerprint, cross)`` for a device with tokenizer ``tok`` and the cloud's
+    ``cloud.model``: the cloud tokenizer's fingerprint (what the OPEN names) and, where the
+    two tokenizers differ, their :class:`~edgefuse.cloud.crossvocab.CrossVocab` (else None).
+    The device holds the cloud's tokenizer (public, a few MB), never its weights.
+
+    Raises:
+        edgefuse.cloud.crossvocab.VocabError: a tokenizer whose tokens cannot be spelled as bytes.
+        edgefuse.models.ModelFetchError: the cloud's tokenizer is not on this device.
+    """
+    from edgefuse.cloud.crossvocab import CrossVocab
+    from edgefuse.models import load_tokenizer
+
+    cloud_tok = load_tokenizer(str(cfg.cloud.model), cfg.paths.cache_dir)
+    fingerprint = tokenizer_fingerprint(cloud_tok)
+    if fingerprint == tokenizer_fingerprint(tok):
+        return fingerprint, None
+    return fingerprint, CrossVocab(tok, cloud_tok)
+
+
 def decode(msg: Message, context: Context, client) -> RecordDict:
     """Run every ``cloud.modes`` mode on the message's queries; reply with the records."""
     from edgefuse.privacy.redact import Redactor
@@ -145,20 +166,21 @@ def decode(msg: Message, context: Context, client) -> RecordDict:
                                                    root=cfg.paths.cache_dir),
                                  cfg.data, int(cfg.seed), cfg.paths.cache_dir)
     dmodel, runtime, facts = device_runtime(cfg, client, context.node_config)
+    fingerprint, cross = cloud_vocabulary(cfg, tok)
     threads = torch.get_num_threads()
     torch.set_num_threads(int(c.threads))
     try:
         records, wall = run_devices(
             dmodel, tok, sent, list(c.modes), dcfg, host, port, wan, int(c.devices),
-            tokenizer_fingerprint(tok), max_prompt_tokens=int(c.eval.max_prompt_tokens),
-            head=head, drafter=spec, split=split, runtime=runtime, **keys)
+            fingerprint, max_prompt_tokens=int(c.eval.max_prompt_tokens),
+            head=head, drafter=spec, split=split, runtime=runtime, cross=cross, **keys)
         n_live = int(cfg.privacy.probe.get("live_canaries", 0)) if cfg.get("privacy") and cfg.privacy.enabled else 0
         if n_live > 0:  # canaries through the live link: the audit scans these frames
             canaries = _canary_queries(cfg, n_live)
             canary_sent, _ = protect_queries(canaries, mode, model, tok, redactor, max_new, attempts)
             run_devices(dmodel, tok, canary_sent, ["spec_sync"], replace(dcfg, max_new_tokens=4), host, port,
-                        wan, 1, tokenizer_fingerprint(tok), max_prompt_tokens=int(c.eval.max_prompt_tokens),
-                        head=head, drafter=spec, runtime=runtime, **keys)
+                        wan, 1, fingerprint, max_prompt_tokens=int(c.eval.max_prompt_tokens),
+                        head=head, drafter=spec, runtime=runtime, cross=cross, **keys)
     finally:
         torch.set_num_threads(threads)
     by_qid = {q.qid: m for q, m in zip(queries, maps)}
@@ -167,4 +189,5 @@ def decode(msg: Message, context: Context, client) -> RecordDict:
             r.result.text = restore(r.result.text, by_qid[r.qid])
     return RecordDict({"decoding": ConfigRecord({"records": json.dumps([r.to_dict() for r in records]),
                                                  "wall": json.dumps(wall), "protection": mode,
+                                                 "tokenizer": "cross" if cross else "same",
                                                  "runtime": json.dumps(facts)})})

@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Mapping
 
 from omegaconf import DictConfig
 
-from edgefuse.app.messages import Reply, ask
+from edgefuse.app.messages import NodeError, Reply, ask, ask_many
 from edgefuse.app.strategy import GroupedLoRA, NodeInfo
 from edgefuse.results import RunRecorder
 
@@ -62,6 +62,11 @@ class PhaseContext:
         """:func:`edgefuse.app.messages.ask` with this run's grid, strategy, timeout and round."""
         return ask(self.grid, self.strategy, node, message_type, records,
                    timeout=self.timeout, round_idx=self.round)
+
+    def ask_many(self, nodes, message_type: str, records: Mapping | None = None) -> list[Reply | NodeError]:
+        """:func:`edgefuse.app.messages.ask_many` with this run's grid, strategy, timeout and round."""
+        return ask_many(self.grid, self.strategy, nodes, message_type, records,
+                        timeout=self.timeout, round_idx=self.round)
 
 
 class Phase:

@@ -1,8 +1,9 @@
 """The ServerApp's cloud-decoding phase: start the cloud LLM service, let a device decode
 through it in every mode, score the modes side by side, stop the service.
 
-The server only orchestrates: the device (the lowest partition-id running
-``cloud.device_model``, with its federated LoRA) opens its own encrypted link to the service
+The server only orchestrates: each device (per model of the federation, its lowest
+partition-id, with its federated LoRA; ``cloud.device_model`` names one model instead of
+``all``) opens its own encrypted link to the service
 (:mod:`edgefuse.cloud.link`), so the prompts' tokens and the decoding traffic never pass through
 Flower. The evaluation prompts are public (GSM8K test, held-out public Dolly rows).
 """
@@ -28,7 +29,7 @@ from edgefuse.transport.wan import WanProfile
 
 
 class DecodingError(RuntimeError):
-    """The decoding phase cannot run: no connected client runs ``cloud.device_model``."""
+    """The decoding phase cannot run: no connected client runs a ``cloud.device_model``."""
 
 
 def load_queries(cfg) -> list:
@@ -44,28 +45,46 @@ def load_queries(cfg) -> list:
     return out
 
 
-def check_pair(cfg) -> None:
-    """Refuse a device/cloud pair whose tokenizers differ (before any model is loaded).
+def device_models(cfg) -> list[str]:
+    """The federation models that decode with the cloud: every distinct one for
+    ``cloud.device_model: all``, else the one it names (in federation order)."""
+    models = list(dict.fromkeys(str(c.model) for c in cfg.federation.clients))
+    want = str(cfg.cloud.device_model)
+    return models if want == "all" else [m for m in models if m == want]
 
-    Raises :class:`ConfigError` naming both models: fusion and verification exchange token
-    ids, and a string-level vocabulary mapping is not implemented."""
+
+def check_vocabularies(cfg) -> None:
+    """Refuse, before any round, a device model whose tokenizer cannot meet the cloud's on
+    bytes (:class:`~edgefuse.cloud.crossvocab.CrossVocab`); the tokenizers load alone (no
+    weights). Raises :class:`ConfigError` naming the model."""
+    from edgefuse.cloud.crossvocab import CrossVocab, VocabError
     from edgefuse.cloud.target import tokenizer_fingerprint
     from edgefuse.models import load_tokenizer
 
-    dev, tgt = str(cfg.cloud.device_model), str(cfg.cloud.model)
     root = cfg.paths.cache_dir
-    if tokenizer_fingerprint(load_tokenizer(dev, root)) != tokenizer_fingerprint(load_tokenizer(tgt, root)):
-        raise ConfigError(f"cloud.device_model {dev!r} and cloud.model {tgt!r} do not share a "
-                          "tokenizer; speculative decoding and logit fusion need one vocabulary "
-                          "(e.g. qwen2.5-coder-0.5b with qwen2.5-coder-1.5b)")
+    cloud_tok = load_tokenizer(str(cfg.cloud.model), root)
+    for name in device_models(cfg):
+        tok = load_tokenizer(name, root)
+        if tokenizer_fingerprint(tok) == tokenizer_fingerprint(cloud_tok):
+            continue
+        try:
+            CrossVocab(tok, cloud_tok)
+        except VocabError as exc:
+            raise ConfigError(f"cloud.device_model: {name!r} cannot decode with {cfg.cloud.model!r} "
+                              f"across tokenizers: {exc}") from None
 
 
-def device_node(cfg, strategy: GroupedLoRA) -> NodeInfo:
-    """The lowest partition-id running ``cloud.device_model``; raises :class:`DecodingError`."""
-    nodes = [n for n in strategy.nodes.values() if n.model == str(cfg.cloud.device_model)]
-    if not nodes:
+def device_nodes(cfg, strategy: GroupedLoRA) -> list[NodeInfo]:
+    """Per model of :func:`device_models`, its lowest partition-id client (connected ones
+    only); raises :class:`DecodingError` when none is connected."""
+    out = []
+    for model in device_models(cfg):
+        nodes = [n for n in strategy.nodes.values() if n.model == model]
+        if nodes:
+            out.append(min(nodes, key=lambda n: n.partition_id))
+    if not out:
         raise DecodingError(f"no connected client runs cloud.device_model {cfg.cloud.device_model!r}")
-    return min(nodes, key=lambda n: n.partition_id)
+    return out
 
 
 class Decoding(Phase):
@@ -82,23 +101,26 @@ class Decoding(Phase):
         check_config(cfg)
 
     def start(self, ctx: PhaseContext) -> None:
-        """:func:`check_pair`: refuse a pair without a shared tokenizer before any round."""
-        check_pair(ctx.cfg)
+        """:func:`check_vocabularies`: refuse a device the cloud cannot decode with, before any round."""
+        check_vocabularies(ctx.cfg)
 
     def run(self, ctx: PhaseContext) -> dict:
-        """Start the service, have the device decode every prompt in every mode, stop it.
+        """Start the service, have one client of each device model decode every prompt in
+        every mode (all of them at once, so their sessions share the service's batches),
+        stop it.
 
         Returns ``{"decoding": rows, "decoding_records": records, "summary": {"cloud_service":
-        facts}}``. Raises :class:`DecodingError` (no device client) or
-        :class:`~edgefuse.app.messages.NodeError` (the device failed); the service is stopped
-        in all cases."""
+        facts}}``; a device that fails is logged and named in ``cloud_service.failed``, the
+        others' rows kept. Raises :class:`DecodingError` (no device client) or
+        :class:`~edgefuse.app.messages.NodeError` (every device failed); the service is
+        stopped in all cases."""
         from edgefuse.app.device import keys_root
         from edgefuse.cloud.service import (default_service_keys, service_limits,
                                             start_service_process, stop_service_process)
 
         cfg, out = ctx.cfg, ctx.out
         c = cfg.cloud
-        node = device_node(cfg, ctx.strategy)
+        nodes = device_nodes(cfg, ctx.strategy)
         queries = load_queries(cfg)
         svc = c.service
         t0 = time.perf_counter()
@@ -114,34 +136,55 @@ class Decoding(Phase):
             split_policy=svc.get("split") if set(map(str, c.modes)) & set(SPLIT_MODES) else None)
         started = time.perf_counter() - t0
         try:
-            log(INFO, "cloud: partition %d (%s) decodes %d prompts in %d modes with %d sessions over %s",
-                node.partition_id, node.model, len(queries), len(c.modes), int(c.devices), c.wan)
-            reply = ctx.ask(node, M.query_type(M.DECODE), {"cloud": ConfigRecord({
+            for node in nodes:
+                log(INFO, "cloud: partition %d (%s) decodes %d prompts in %d modes with %d sessions over %s",
+                    node.partition_id, node.model, len(queries), len(c.modes), int(c.devices), c.wan)
+            replies = ctx.ask_many(nodes, M.query_type(M.DECODE), {"cloud": ConfigRecord({
                 "host": str(c.host), "port": int(port),
                 "queries": json.dumps([q.to_dict() for q in queries])})})
-            raw, wall = reply.json("decoding", "records"), reply.json("decoding", "wall")
-            rec = reply["decoding"]
-            protection = str(rec["protection"]) if "protection" in rec else "off"
-            runtime = reply.json("decoding", "runtime") if "runtime" in rec else {}
-            runtime = runtime if isinstance(runtime, dict) else {}  # what the device reports
             health = _health(str(c.host), int(port), proc.health_token)
         finally:
             code = stop_service_process(proc)
             if code not in (0, None):
                 log(WARNING, "cloud: the service exited with code %s (see %s)", code, out / "cloud_service.log")
-        records = [Record(r["qid"], r["kind"], r["mode"], r["device"], DecodeResult.from_dict(r), r["reference"]) for r in raw]
         from edgefuse.models import load_tokenizer
 
-        tok = load_tokenizer(str(c.device_model), cfg.paths.cache_dir)
-        rows = summarize(records, wall, tok, WanProfile.from_name(str(c.wan)).rtt_ms, int(c.devices),
-                         greedy=float(c.decode.temperature) == 0)
-        log(INFO, "cloud decoding (%s, %d sessions):\n%s", c.wan, int(c.devices), table(rows))
+        cloud_tok = load_tokenizer(str(c.model), cfg.paths.cache_dir)
+        rows, raw_all, failed, devices = [], [], {}, {}
+        for node, reply in zip(nodes, replies):
+            if isinstance(reply, M.NodeError):
+                log(WARNING, "cloud: %s", reply)
+                failed[node.model] = str(reply)
+                continue
+            raw, wall = reply.json("decoding", "records"), reply.json("decoding", "wall")
+            rec = reply["decoding"]
+            runtime = reply.json("decoding", "runtime") if "runtime" in rec else {}
+            devices[node.model] = {
+                "partition_id": node.partition_id,
+                "prompt_protection": str(rec["protection"]) if "protection" in rec else "off",
+                "tokenizer": str(rec["tokenizer"]) if "tokenizer" in rec else "same",
+                "device_runtime": runtime if isinstance(runtime, dict) else {}}  # what the device reports
+            for r in raw:
+                r["device_model"] = node.model
+            records = [Record(r["qid"], r["kind"], r["mode"], r["device"], DecodeResult.from_dict(r),
+                              r["reference"]) for r in raw]
+            tok = load_tokenizer(node.model, cfg.paths.cache_dir)
+            mine = summarize(records, wall, tok, WanProfile.from_name(str(c.wan)).rtt_ms, int(c.devices),
+                             greedy=float(c.decode.temperature) == 0, device_model=node.model,
+                             cloud_tok=cloud_tok)
+            log(INFO, "cloud decoding, %s (%s, %d sessions):\n%s", node.model, c.wan, int(c.devices), table(mine))
+            rows += mine
+            raw_all += raw
+        if not devices:
+            raise next(r for r in replies if isinstance(r, M.NodeError))
+        first = next(iter(devices.values()))
         service = {"model": str(c.model), "start_seconds": started, "port": int(port),
-                   "prompt_protection": protection, "device_runtime": runtime,
+                   "prompt_protection": first["prompt_protection"], "device_runtime": first["device_runtime"],
+                   "devices": devices, "failed": failed,
                    **{k: health.get(k) for k in ("sessions_total", "batches", "jobs",
                                                  "mean_batch_size", "max_batch_size",
                                                  "frames_rejected", "bytes_in", "bytes_out")}}
-        return {"decoding": rows, "decoding_records": raw, "summary": {"cloud_service": service}}
+        return {"decoding": rows, "decoding_records": raw_all, "summary": {"cloud_service": service}}
 
 
 def _health(host: str, port: int, token: str | None) -> dict:

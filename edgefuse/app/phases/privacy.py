@@ -51,8 +51,9 @@ class AuditTally:
 
 
 def probe_node(cfg, strategy: GroupedLoRA) -> NodeInfo:
-    """The device that runs the probe: the cloud's device client when the cloud phase is on,
-    else the lowest partition-id. Raises :class:`PrivacyError` when no node is known."""
+    """The device that runs the probe: the lowest partition-id among the cloud's device
+    clients (``cloud.device_model``; ``all``: every client) when the cloud phase is on, else
+    among all. Raises :class:`PrivacyError` when no node is known."""
     nodes = list(strategy.nodes.values())
     if cfg.get("cloud") and cfg.cloud.enabled:
         nodes = [n for n in nodes if n.model == str(cfg.cloud.device_model)] or nodes

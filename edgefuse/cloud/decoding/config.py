@@ -141,9 +141,9 @@ def check_config(cfg) -> None:
     from edgefuse.transport.wan import WanProfile
 
     models = [str(c.model) for c in cfg.federation.clients]
-    if str(cloud.device_model) not in models:
+    if str(cloud.device_model) != "all" and str(cloud.device_model) not in models:
         raise ConfigError(f"cloud.device_model {cloud.device_model!r} is not a federation client's "
-                          f"model ({', '.join(dict.fromkeys(models))})")
+                          f"model ({', '.join(dict.fromkeys(models))}) nor all")
     unknown = sorted(set(map(str, cloud.modes)) - set(MODES))
     if unknown or not cloud.modes:
         raise ConfigError(f"cloud.modes has unknown modes {unknown or '[]'}: use {', '.join(MODES)}")

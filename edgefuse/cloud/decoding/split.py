@@ -365,7 +365,7 @@ def load_split_device(name: str, settings: SplitSettings, root=None, device: str
     if spec.tiny:
         from edgefuse.models import tiny_model
 
-        n_layers = int(tiny_model(spec.arch)[0].config.num_hidden_layers)
+        n_layers = int(tiny_model(spec.arch, tokenizer=spec.tokenizer)[0].config.num_hidden_layers)
     else:
         n_layers = int(AutoConfig.from_pretrained(resolve_path(spec, root)).num_hidden_layers)
     if settings.k + settings.m > n_layers - 1:
