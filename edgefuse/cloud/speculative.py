@@ -139,18 +139,29 @@ class GammaController:
     short ones. ``verify_growth`` 0.2 is the smooth model's slope (one CPU core once measured
     a block of 4 tokens at 1.8× one token, of 8 at 2.1×; on a GPU it is close to 0); where
     the decoder has measured a γ's round trip, :meth:`choose` uses that instead, since real
-    costs come in steps (``bench/bench_rows.py``). ``fixed`` pins γ (no adaptation)."""
+    costs come in steps (``bench/bench_rows.py``). ``fixed`` pins γ (no adaptation).
+
+    **Never losing to the cloud alone** (``zero``): γ = 0 (remote autoregressive steps, one
+    target token per round trip) is a candidate too, and where a γ's *achieved* cost per
+    committed token (wall time from one answer to the next, drafting, rejections and stalls
+    included) has been measured, that replaces the model, whose α and timings can be
+    optimistic (a poor draft's rejections cost re-feeds the model does not count). When
+    γ = 0 is best, every ``probe_every``-th block drafts one token anyway, so a draft that
+    starts paying again (the text turns predictable) is noticed."""
     gamma_min: int = 1
     gamma_max: int = 8
     alpha0: float = 0.7
     ema: float = 0.3
     fixed: int | None = None
     verify_growth: float = 0.2
+    zero: bool = False
+    probe_every: int = 6
 
     def __post_init__(self):
         if not 0 <= self.gamma_min <= self.gamma_max:
             raise ValueError(f"need 0 <= gamma_min <= gamma_max, got {self.gamma_min}, {self.gamma_max}")
         self.alpha = float(self.alpha0)
+        self._since_draft = 0  # blocks in a row chosen at γ = 0
 
     def update(self, accepted: int, drafted: int) -> None:
         """Record one verified block (``accepted`` of ``drafted`` tokens kept)."""
@@ -162,7 +173,8 @@ class GammaController:
         return measured_ms / (1 + self.verify_growth * gamma)
 
     def choose(self, draft_ms: float, rtt_ms: float, verify_ms: float, overlap: bool = False,
-               measured: dict[int, float] | None = None, settled=None) -> int:
+               measured: dict[int, float] | None = None, settled=None,
+               achieved: dict[int, float] | None = None) -> int:
         """The γ with the highest modelled tokens/s (ties: the smaller γ). Times in ms;
         ``verify_ms`` is the one-token verify time.
 
@@ -172,19 +184,33 @@ class GammaController:
         costs about the same for 1 to 3 rows and twice that for 4 to 6). With ``measured``
         given, a γ next to the best that is not ``settled`` (default: not measured) is returned
         first (a deterministic local search), so the table learns the costs around the best
-        and one slow measurement does not bar a γ for good."""
+        and one slow measurement does not bar a γ for good.
+
+        ``achieved``: γ -> measured ms per committed token (see the class docstring); with
+        ``zero`` the result may be 0."""
         if self.fixed is not None:
             return int(self.fixed)
         alpha = min(max(self.alpha, 0.0), 0.99)
         best, best_rate = self.gamma_min, -math.inf
-        for g in range(self.gamma_min, self.gamma_max + 1):
+        for g in range(0 if self.zero else self.gamma_min, self.gamma_max + 1):
             remote = rtt_ms + verify_ms * (1 + self.verify_growth * g)
             if measured and g in measured:
                 remote = measured[g]
+            elif measured and g == 0:  # no more rows than any measured block
+                remote = min(remote, min(measured.values()))
             cost = max(g * draft_ms, remote) if overlap else g * draft_ms + remote
             rate = expected_tokens_per_block(alpha, g) / max(cost, 1e-9)
+            if achieved and g in achieved:
+                rate = 1.0 / max(achieved[g], 1e-9)
             if rate > best_rate + 1e-12:
                 best, best_rate = g, rate
+        if best == 0:
+            self._since_draft += 1
+            if self._since_draft >= self.probe_every:  # does drafting pay again?
+                self._since_draft = 0
+                return max(self.gamma_min, 1)
+            return 0
+        self._since_draft = 0
         if measured is not None:
             known = measured if settled is None else settled
             for g in (best - 1, best + 1):

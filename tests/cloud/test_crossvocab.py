@@ -379,7 +379,7 @@ def test_sessions_of_three_tokenizers_batch_together_and_equal_their_solo_answer
     the service ran some forward passes with more than one session in them."""
     target, ctok, _ = cloud
     svc = start_service(target, ctok, max_wait_ms=50)
-    same_model, _ = tiny_model("llama", seed=3)
+    same_model, _ = tiny_model("llama", seed=3, tokenizer="bpe")  # the cloud's own tokenizer
     runs = {"bpe": (same_model, ctok, None), **{k: v for k, v in devices.items()}}
     text = "The quick brown fox"
     cp = ctok(text)["input_ids"]

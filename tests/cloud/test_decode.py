@@ -331,7 +331,8 @@ def test_the_decoder_learns_a_round_trip_per_mode_and_gamma(perturbed):
     dec = Decoder(edge, DirectLink(T), T.fingerprint, rtt_ms=1.0)
     for mode in ("cloud", "spec_sync", "spec_async"):
         for prompt in PROMPTS:
-            res = dec.generate(mode, prompt, DecodeConfig(max_new_tokens=12, gamma_max=4))
+            res = dec.generate(mode, prompt, DecodeConfig(max_new_tokens=12, gamma_max=4,
+                                                          gamma0_fallback=False))
             assert res.tokens == target_greedy(target, prompt, 12)
     assert dec.round_trip_ms["cloud"] == {}
     for mode in ("spec_sync", "spec_async"):
@@ -347,6 +348,42 @@ def test_the_decoder_learns_a_round_trip_per_mode_and_gamma(perturbed):
         dec._mode_samples, dec._measured = samples, dec.round_trip_ms["spec_sync"]
         dec._time_round_trip(ms, GammaController(), g)
     assert dec.round_trip_ms["spec_sync"][g] == 12.0
+
+
+def test_gamma_controller_falls_back_to_remote_steps_and_probes_its_way_back():
+    """With ``zero``, measured costs per committed token decide: drafting that costs more
+    than remote autoregressive steps gives γ = 0, with a one-token probe every
+    ``probe_every``-th block; once a drafted γ is measured cheaper, it is chosen again.
+    Without ``zero`` γ never drops below gamma_min."""
+    ctl = GammaController(1, 8, zero=True, probe_every=3)
+    poor = {0: 100.0, 1: 150.0, 2: 180.0, 3: 200.0}  # ms per committed token
+    picks = [ctl.choose(50, 80, 100, achieved=poor) for _ in range(7)]
+    assert picks == [0, 0, 1, 0, 0, 1, 0]
+    # the text turns predictable: the probe's block got 2 tokens in 120 ms
+    assert ctl.choose(50, 80, 100, achieved={**poor, 1: 60.0}) >= 1
+    assert GammaController(1, 8).choose(50, 80, 100, achieved=poor) >= 1
+    # unmeasured, the model decides: a low acceptance with a slow draft prefers γ = 0
+    ctl = GammaController(1, 8, zero=True, alpha0=0.05)
+    assert ctl.choose(draft_ms=200, rtt_ms=80, verify_ms=100) == 0
+    assert GammaController(1, 8, zero=True, alpha0=0.9).choose(draft_ms=5, rtt_ms=80, verify_ms=100) > 1
+
+
+def test_a_useless_draft_falls_back_to_remote_steps_and_stays_lossless(pair):
+    """An unrelated random draft (almost nothing accepted): the measured cost per token of
+    its blocks exceeds that of γ = 0, so most blocks send no draft (probes aside) and the
+    output is still the target's; with the fallback off, every block drafts."""
+    draft, target, tok = pair
+    T = Target(target, tok, "tiny-target")
+    edge = EdgeLM(draft, tok)
+    edge.eos_ids = set()
+    n = 40
+    on = Decoder(edge, DirectLink(T), T.fingerprint, rtt_ms=1.0).generate(
+        "spec_sync", PROMPTS[0], DecodeConfig(max_new_tokens=n, gamma_max=4))
+    off = Decoder(edge, DirectLink(T), T.fingerprint, rtt_ms=1.0).generate(
+        "spec_sync", PROMPTS[0], DecodeConfig(max_new_tokens=n, gamma_max=4, gamma0_fallback=False))
+    assert on.tokens == off.tokens == target_greedy(target, PROMPTS[0], n)
+    assert off.drafted >= off.blocks  # every block drafted at least one token
+    assert on.drafted < on.blocks / 2, (on.drafted, on.blocks)
 
 
 def test_draft_batcher_runs_simulated_devices_together_with_unchanged_outputs(pair):

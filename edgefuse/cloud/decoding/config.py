@@ -33,7 +33,10 @@ class DecodeConfig:
     fusion: no answer at all for this long) means the cloud is gone (s); ``auth``: the
     cloud cache tuple (flagCache, LCache) every request carries (default: keep all);
     ``split_pipeline``: ``split_spec`` drafts the next block and runs its front while a
-    block is in flight, as ``spec_async`` does (False: the synchronous loop)."""
+    block is in flight, as ``spec_async`` does (False: the synchronous loop);
+    ``gamma0_fallback``: the adaptive γ may fall to 0 (remote autoregressive steps) where
+    drafting costs more per committed token than it saves, measured
+    (:class:`~edgefuse.cloud.speculative.GammaController`)."""
     max_new_tokens: int = 64
     temperature: float = 0.0
     top_k: int = 0
@@ -48,10 +51,12 @@ class DecodeConfig:
     timeout_s: float = 60.0
     auth: CloudAuth = field(default_factory=CloudAuth)
     split_pipeline: bool = True
+    gamma0_fallback: bool = True
 
     def __post_init__(self):
-        if not isinstance(self.split_pipeline, bool):
-            raise DecodeError(f"split_pipeline must be true or false, got {self.split_pipeline!r}")
+        for key in ("split_pipeline", "gamma0_fallback"):
+            if not isinstance(getattr(self, key), bool):
+                raise DecodeError(f"{key} must be true or false, got {getattr(self, key)!r}")
         if not isinstance(self.auth, CloudAuth):
             raise DecodeError(f"auth must be a CloudAuth, got {type(self.auth).__name__}")
         if self.max_new_tokens < 1:
@@ -97,7 +102,7 @@ def decode_config(c, auth: CloudAuth | None = None) -> DecodeConfig:
         gamma_max=int(d.gamma_max), draft_topk=int(d.draft_topk), fuse_topk=int(d.fuse_topk),
         fusion=FusionConfig(weight=float(d.fusion_weight), confidence=str(d.confidence)),
         deadline_ms=float(d.deadline_ms), timeout_s=float(d.timeout_s),
-        auth=auth if auth is not None else CloudAuth())
+        auth=auth if auth is not None else CloudAuth(), gamma0_fallback=bool(d.get("gamma0_fallback", True)))
 
 
 def drafter_spec(c) -> DrafterSpec:

@@ -76,6 +76,7 @@ from edgefuse.cloud.speculative import GammaController
 
 SPEC_MODES = ("spec_sync", "spec_async", "split_spec")  # the modes that draft with the decoder's drafter
 ROUND_TRIP_SAMPLES = 3  # round trips per γ whose median is its cost (fewer: tried again)
+ACHIEVED_BLOCKS = 4  # blocks per γ whose achieved cost per token the controller compares
 
 
 def _medians(samples: dict) -> dict[int, float]:
@@ -135,6 +136,9 @@ class Decoder:
         self._mode_samples: dict[int, collections.deque] = {}
         self._req = 0
         self._held = 0  # mirror: committed tokens the cloud holds after the last request
+        # this generation's γ -> the last blocks' (committed tokens, ms from the previous answer)
+        self._achieved: dict[int, collections.deque] = {}
+        self._last_answer = 0.0
 
     # -- public ----------------------------------------------------------------------
 
@@ -162,6 +166,7 @@ class Decoder:
                               "ids of the prompt (cloud_prompt)")
         res = DecodeResult(mode=mode, tokens=[], tokenizer="cross" if cross else
                            "own" if mode == "edge" else "same")
+        self._achieved = {}
         self._device_prompt = list(prompt)
         self._ends = cross.cloud.ends if cross is not None else self.edge.eos_ids
         if cross is not None:
@@ -201,6 +206,7 @@ class Decoder:
                 self.edge.sync(self._device_prompt)
         t1 = time.perf_counter()
         res.prefill_s = t1 - t0
+        self._last_answer = t1
         c1 = self._counters()
         res.prefill_bytes_up, res.prefill_bytes_down = c1[0] - c0[0], c1[1] - c0[1]
         try:
@@ -353,7 +359,8 @@ class Decoder:
         return done, ahead
 
     def _speculative(self, prompt, cfg, gen, res, drafter: Drafter, gamma0: bool) -> None:
-        ctl = GammaController(cfg.gamma_min, cfg.gamma_max, fixed=0 if gamma0 else cfg.gamma)
+        ctl = GammaController(cfg.gamma_min, cfg.gamma_max, fixed=0 if gamma0 else cfg.gamma,
+                              zero=cfg.gamma0_fallback)
         committed = list(prompt)
         while True:
             left = cfg.max_new_tokens - len(res.tokens)
@@ -366,6 +373,7 @@ class Decoder:
                 return self._fallback(res, exc, cfg, gen, committed)
             self._time_round_trip(1000 * (time.perf_counter() - t0), ctl, len(draft.ids))
             ctl.update(n, len(draft.ids))
+            self._count_block(len(draft.ids), n + 1)
             done, ahead = self._commit(drafter, res, committed, draft, n, token, cfg)
             if done:
                 return
@@ -387,8 +395,18 @@ class Decoder:
     def _choose(self, ctl: GammaController, overlap: bool = False) -> int:
         """The controller's γ from the decoder's timings and this mode's measured round trips."""
         settled = {g for g, d in self._mode_samples.items() if len(d) == ROUND_TRIP_SAMPLES}
+        achieved = {g: sum(ms for _, ms in d) / max(sum(n for n, _ in d), 1)
+                    for g, d in self._achieved.items() if len(d) >= 2}
         return ctl.choose(self.draft_ms, self.rtt_ms, self.verify_ms, overlap=overlap,
-                          measured=_medians(self._mode_samples), settled=settled)
+                          measured=_medians(self._mode_samples), settled=settled, achieved=achieved)
+
+    def _count_block(self, gamma: int, tokens: int) -> None:
+        """Keep what a block of ``gamma`` drafts achieved: ``tokens`` committed in the time
+        since the previous answer (drafting, re-feeds and the round trip included)."""
+        now = time.perf_counter()
+        self._achieved.setdefault(gamma, collections.deque(maxlen=ACHIEVED_BLOCKS)).append(
+            (tokens, 1000 * (now - self._last_answer)))
+        self._last_answer = now
 
     def _time_round_trip(self, rt_ms: float, ctl: GammaController, gamma: int) -> None:
         """Split a measured round trip (ms) into the assumed RTT and the cloud's verify time,
@@ -425,7 +443,7 @@ class Decoder:
         """``spec_async``, and ``split_spec`` pipelined: while block k is in flight the device
         guesses the target's next token, drafts block k+1 on top of it and (split) runs the
         front over it; a right guess sends block k+1 at once."""
-        ctl = GammaController(cfg.gamma_min, cfg.gamma_max, fixed=cfg.gamma)
+        ctl = GammaController(cfg.gamma_min, cfg.gamma_max, fixed=cfg.gamma, zero=cfg.gamma0_fallback)
         committed = list(prompt)
         link, split = self.link, self._session
         # the first block: nothing to overlap with yet
@@ -459,6 +477,7 @@ class Decoder:
                 n, token = self._take_block(pending, reply, committed, draft, cfg)
                 self._time_round_trip(1000 * (time.perf_counter() - sent), ctl, len(draft.ids))
                 ctl.update(n, len(draft.ids))
+                self._count_block(len(draft.ids), n + 1)
                 hit = n == len(draft.ids) and guess is not None and token == guess
                 done, _ = self._commit(drafter, res, committed, draft, n, token, cfg)
                 if done:
