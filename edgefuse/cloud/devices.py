@@ -22,6 +22,7 @@ from edgefuse.eval import stats
 from edgefuse.eval.queries import Query, gsm8k_final, prompt_split, rouge_l
 
 from edgefuse.cloud.crossvocab import encode
+from edgefuse.cloud.target import tokenizer_fingerprint
 from edgefuse.cloud.decoding import (MODES, DecodeConfig, DecodeResult, Decoder, DraftBatcher, DrafterSpec,
                                      EdgeLM, OnnxEdgeLM, drafter_factory)
 
@@ -253,9 +254,10 @@ def agreement(a: list[int], b: list[int]) -> float:
     return same / max(len(a), len(b))
 
 
-def _id_space(res: DecodeResult) -> str:
-    """Whose ids ``res.tokens`` are: the device's (``own``, ``same``) or the cloud's (``cross``)."""
-    return "cloud" if res.tokenizer == "cross" else "device"
+def _id_space(res: DecodeResult, same_vocab: bool) -> str:
+    """Whose ids ``res.tokens`` are: the cloud's (``same``, ``cross``, and ``own`` when the
+    device's tokenizer is the cloud's) or the device's."""
+    return "device" if res.tokenizer == "own" and not same_vocab else "cloud"
 
 
 def summarize(records: list[Record], wall: dict[str, float], tok, rtt_ms: float, devices: int,
@@ -277,9 +279,11 @@ def summarize(records: list[Record], wall: dict[str, float], tok, rtt_ms: float,
         by_mode.setdefault(r.mode, []).append(r)
     target = {r.qid: r.result for r in by_mode.get("cloud", [])}
 
+    same_vocab = cloud_tok is None or tokenizer_fingerprint(tok) == tokenizer_fingerprint(cloud_tok)
+
     def same_ids(r: Record) -> float | None:
         ref = target[r.qid]
-        if _id_space(r.result) == _id_space(ref):
+        if _id_space(r.result, same_vocab) == _id_space(ref, same_vocab):
             return agreement(r.result.tokens, ref.tokens)
         if cloud_tok is None:
             return None
