@@ -204,6 +204,9 @@ def _cloud(argv: list[str]) -> int:
                    help="drafted tokens per VERIFY, at most; more get ERROR limit (default 16)")
     s.add_argument("--max-batch-tokens", type=int, default=8192,
                    help="token rows per forward pass, at most (>= --max-context; default 8192)")
+    s.add_argument("--prefill-chunk", type=int, default=0,
+                   help="prompt ids per prefill chunk, other sessions' batches run between "
+                        "chunks (0 = a whole prefill at once; default 0)")
     s.add_argument("--max-handshakes", type=int, default=None,
                    help="connections not yet authenticated at once; more are closed on accept "
                         "(default min(32, --max-connections))")
@@ -353,7 +356,8 @@ def _cloud(argv: list[str]) -> int:
               max_batch_tokens=args.max_batch_tokens, max_handshakes=args.max_handshakes,
               identity_path=args.identity or default_identity,
               authorized_path=args.authorized_devices or default_authorized,
-              insecure_anonymous=args.insecure_anonymous, split_policy=split_policy)
+              insecure_anonymous=args.insecure_anonymous, split_policy=split_policy,
+              prefill_chunk=args.prefill_chunk)
     except (ModelSpecError, ModelFetchError, IdentityError, ValueError, OSError) as e:
         raise CLIError(e) from None
     return 0

@@ -320,7 +320,7 @@ class CloudService:
                  "batch_wait_timeouts", "auth_failures", "handshakes_refused",
                  "devices_authenticated", "split_sessions_total", "split_refusals",
                  "split_batches", "split_jobs", "split_head_jobs", "split_mask_jobs",
-                 "split_bytes_in", "split_bytes_out")
+                 "split_bytes_in", "split_bytes_out", "prefill_chunks", "prefill_interleaved_batches")
 
     def stats(self) -> dict:
         """Counters since start: ``sessions_open`` (holding a cache slot now),
@@ -888,6 +888,7 @@ class CloudService:
         runner = self.split if sess.split else self.target
         try:
             sess.target = runner.open(item.msg)
+            chunks = self._prefill_chunked(runner, sess)
         except Exception as exc:  # noqa: BLE001
             from edgefuse.cloud.target import SessionError
 
@@ -911,13 +912,37 @@ class CloudService:
             self._free(sess)
             self._reply(item, None)
             return
-        log.info("session %d (connection %d, device %s) open: %d prompt tokens, prefill %.1f ms%s",
+        log.info("session %d (connection %d, device %s) open: %d prompt tokens, prefill %.1f ms%s%s",
                  sess.id, sess.conn.id, sess.conn.device or "anonymous", len(item.msg.prompt),
-                 (time.perf_counter() - t0) * 1e3, f", split {item.msg.split}" if sess.split else "")
+                 (time.perf_counter() - t0) * 1e3, f", split {item.msg.split}" if sess.split else "",
+                 f", {chunks} chunks" if chunks > 1 else "")
         if sess.split:
             self._count("split_sessions_total")
         self._reply(item, P.Opened(str(runner.name), str(runner.fingerprint),
                                    int(runner.context_len), item.msg.split))
+
+    def _prefill_chunked(self, runner, sess: _Session) -> int:
+        """A chunked prefill (``runner.prefill_chunk`` > 0, :meth:`Target.prefill_step`):
+        between chunks, one batch of the decode jobs already queued runs (other sessions'
+        VERIFY / FUSE; other items wait, in order, for after this OPEN). Returns the chunks."""
+        step = getattr(runner, "prefill_step", None)
+        chunks = 0
+        while step is not None and not sess.closed and runner.prefill_left(sess.target) > 0:
+            left = step(sess.target)
+            chunks += 1
+            self._count("prefill_chunks")
+            if left <= 0:
+                break
+            item = self._next_item(0.0)
+            while item is not None and item is not _STOP and item.kind != "job":
+                self._pending.append(item)
+                item = None if self._queue.empty() else self._next_item(0.0)
+            if item is _STOP:
+                self._pending.appendleft(item)
+            elif item is not None:
+                self._count("prefill_interleaved_batches")
+                self._run_batch(item)
+        return chunks
 
     def _reset_frame_limit(self, sess: _Session) -> None:
         """A split OPEN failed (event loop): its connection's frame cap is the service's again."""
@@ -1117,11 +1142,13 @@ def serve(model: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, max_
           max_draft: int = 16, max_batch_tokens: int = 8192, max_handshakes: int | None = None,
           identity_path: str | os.PathLike | None = None,
           authorized_path: str | os.PathLike | None = None,
-          insecure_anonymous: bool = False, split_policy: dict | None = None) -> None:
+          insecure_anonymous: bool = False, split_policy: dict | None = None,
+          prefill_chunk: int = 0) -> None:
     """Load ``model`` (an :mod:`edgefuse.models` name), build a :class:`edgefuse.cloud.target.Target`
     and serve until SIGINT/SIGTERM. ``threads``: torch CPU threads (None = torch default).
     ``port_file``: once listening, the bound port is written there (atomically). The limits
-    are :class:`CloudService`'s and the target's (``max_draft``, ``max_batch_tokens``); the
+    are :class:`CloudService`'s and the target's (``max_draft``, ``max_batch_tokens``,
+    ``prefill_chunk``); the
     health token is read from ``$EDGEFUSE_CLOUD_HEALTH_TOKEN`` (unset: none).
     ``identity_path`` / ``authorized_path``: the service's identity key and its authorized
     devices (:func:`load_service_keys`; both required unless ``insecure_anonymous``), loaded
@@ -1152,7 +1179,7 @@ def serve(model: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, max_
     t0 = time.perf_counter()
     model_obj, tok = load_model(model)
     target = Target(model_obj, tok, model, max_context=max_context, max_draft=max_draft,
-                    max_batch_tokens=max_batch_tokens)
+                    max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk)
     log.info("model %s loaded in %.1f s (fingerprint %s, context %d)", model,
              time.perf_counter() - t0, target.fingerprint, target.context_len)
     split = None
@@ -1205,7 +1232,7 @@ def default_service_keys(root: str | os.PathLike) -> tuple[Path, Path]:
 
 LIMITS = {"max_handshakes": int, "max_connections": int, "idle_timeout_s": float,
           "handshake_timeout_s": float, "max_frame_bytes": int, "max_pending": int, "max_queue": int, "max_draft": int,
-          "max_batch_tokens": int}  # cloud.service.* keys passed through start_service_process
+          "max_batch_tokens": int, "prefill_chunk": int}  # cloud.service.* keys passed through start_service_process
 
 
 def service_limits(svc_cfg) -> dict:
@@ -1236,7 +1263,8 @@ def start_service_process(model: str, host: str = "127.0.0.1", port: int = 0, *,
                           identity_path: str | os.PathLike | None = None,
                           authorized_path: str | os.PathLike | None = None,
                           insecure_anonymous: bool = False,
-                          split_policy: dict | None = None) -> tuple[subprocess.Popen, int]:
+                          split_policy: dict | None = None,
+                          prefill_chunk: int = 0) -> tuple[subprocess.Popen, int]:
     """Start ``edgefuse cloud serve`` as a child process and wait until it answers a health
     check; returns ``(process, bound port)``. ``port=0`` picks a free port. The child's
     stdout+stderr go to ``log_path`` (appended; default: a temporary file), available as
@@ -1264,7 +1292,7 @@ def start_service_process(model: str, host: str = "127.0.0.1", port: int = 0, *,
            "--handshake-timeout-s", str(handshake_timeout_s),
            "--max-frame-bytes", str(max_frame_bytes), "--max-pending", str(max_pending),
            "--max-queue", str(max_queue), "--max-draft", str(max_draft),
-           "--max-batch-tokens", str(max_batch_tokens),
+           "--max-batch-tokens", str(max_batch_tokens), "--prefill-chunk", str(prefill_chunk),
            "--port-file", str(port_file), "--log-level", log_level]
     if threads:
         cmd += ["--threads", str(threads)]

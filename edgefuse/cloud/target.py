@@ -287,6 +287,12 @@ class Target:
         max_batch_tokens: token rows one forward pass may feed, padding included
             (≥ ``max_context`` and ≥ 512, so a full prompt and a 255-token FUSE fit); more
             is split over several forwards, and one request planning more is ERROR ``limit``.
+        prefill_chunk: 0 = an OPEN prefills its whole prompt at once; n > 0 = :meth:`open`
+            leaves the prefill to :meth:`prefill_step`, n ids a call, so the service can run
+            other sessions' decode batches between the chunks (chunked prefill, as vLLM's
+            scheduler interleaves prefill chunks with decode steps): a long new prompt does
+            not stall every other session. The cache equals a whole prefill's up to float
+            rounding (the greedy answers are the same, tested).
 
     Counters: ``batches`` / ``jobs`` (:meth:`step` calls that ran, requests run),
     ``reprefills`` / ``reprefill_tokens`` (fresh rows a cache tuple forced — re-prefills of a
@@ -299,9 +305,11 @@ class Target:
     """
 
     def __init__(self, model, tok, name: str, max_context: int = 2048, min_block_rows: int = 4,
-                 *, max_draft: int = 16, max_batch_tokens: int = 8192):
+                 *, max_draft: int = 16, max_batch_tokens: int = 8192, prefill_chunk: int = 0):
         if not 1 <= max_draft <= P.MAX_GAMMA:
             raise ValueError(f"max_draft must be in 1..{P.MAX_GAMMA}, got {max_draft}")
+        if prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be >= 0, got {prefill_chunk}")
         if max_batch_tokens < max(int(max_context), MIN_BATCH_TOKENS):
             raise ValueError(f"max_batch_tokens ({max_batch_tokens}) must be >= max_context "
                              f"({max_context}) and >= {MIN_BATCH_TOKENS}")
@@ -318,6 +326,8 @@ class Target:
         self.min_block_rows = int(min_block_rows)
         self.max_draft = int(max_draft)
         self.max_batch_tokens = int(max_batch_tokens)
+        self.prefill_chunk = int(prefill_chunk)
+        self.prefill_chunks = 0
         self.batches = 0
         self.jobs = 0
         self.reprefills = 0
@@ -365,9 +375,30 @@ class Target:
         sess = TargetSession(msg.prompt, msg.temperature, msg.top_k, msg.seed, msg.max_new,
                              auth=auth, offset=msg.offset)
         self._evict(sess)
-        if len(sess.tokens) > 1:
+        if len(sess.tokens) > 1 and not self.prefill_chunk:
             sess.cache = cache_from_layers(self._prefill(sess.tokens[:-1]))
         return sess
+
+    def prefill_left(self, sess: TargetSession) -> int:
+        """Prompt ids of an opened session not prefilled yet (0 once :meth:`open` or the
+        last :meth:`prefill_step` has done them all)."""
+        return max(len(sess.tokens) - 1 - sess.cached, 0) if not sess.closed else 0
+
+    def prefill_step(self, sess: TargetSession) -> int:
+        """Prefill the next ``prefill_chunk`` ids of ``sess``'s prompt onto its cache (one
+        forward of one row at positions ``cached ..``); returns :meth:`prefill_left`."""
+        done, left = sess.cached, self.prefill_left(sess)
+        if left <= 0:
+            return 0
+        ids = sess.tokens[done:done + min(self.prefill_chunk or left, left)]
+        self._count_forward(_rows(len(ids), self.min_block_rows))
+        self.prefill_chunks += 1
+        past = [_kv(sess.cache, self.n_layers, done)] if done else [None]
+        model, output = (self._body, "last_hidden_state") if self._body is not None else (self.model, "logits")
+        _, kvs = batched_forward(model, past, [done], [list(ids)], self.pad_id, output=output)
+        sess.cache = cache_from_layers([(k[:, :, :done + len(ids)], v[:, :, :done + len(ids)])
+                                        for k, v in kvs[0]])
+        return self.prefill_left(sess)
 
     def authorize(self, sess: TargetSession, auth: P.CloudAuth) -> int:
         """Apply a new cache tuple at once (an AUTH): what it no longer allows is evicted

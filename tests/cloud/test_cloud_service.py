@@ -534,3 +534,77 @@ def test_cli_health(make_service, capsys):
     assert status["model"] == NAME and status["sessions_open"] == 0
     svc.stop()
     assert main(["cloud", "health", "--port", str(svc.port), "--timeout", "1"]) == 1
+
+
+# ------------------------------------------------------------------- chunked prefill
+
+def test_chunked_prefill_caches_what_a_whole_prefill_does_and_answers_alike(tiny):
+    """A prompt of 37 ids prefilled 5 at a time: the cache matches the whole prefill's (up to
+    float rounding), and every greedy answer after it (VERIFY of a draft, FUSE top-k) is the
+    same as after a whole prefill."""
+    model, tok, fp = tiny
+    prompt = [(7 * i + 3) % 300 + 10 for i in range(37)]
+    whole, chunked = Target(model, tok, NAME), Target(model, tok, NAME, prefill_chunk=5)
+    a = whole.open(P.Open(prompt, fp, 0.0, 0, 0, 32))
+    b = chunked.open(P.Open(prompt, fp, 0.0, 0, 0, 32))
+    assert chunked.prefill_left(b) == 36 and b.cached == 0 and whole.prefill_left(a) == 0
+    steps = 0
+    while chunked.prefill_left(b):
+        chunked.prefill_step(b)
+        steps += 1
+    assert steps == 8 and b.cached == a.cached == 36  # ceil(36 / 5)
+    for la, lb in zip(a.cache.layers, b.cache.layers):
+        assert torch.allclose(la.keys, lb.keys, atol=1e-5) and torch.allclose(la.values, lb.values, atol=1e-5)
+    draft = [11, 12, 13]
+    (va,) = whole.step([(a, P.Verify(1, len(prompt), draft))])
+    (vb,) = chunked.step([(b, P.Verify(1, len(prompt), draft))])
+    assert (va.accepted, va.token) == (vb.accepted, vb.token)
+    n = len(prompt) + va.accepted + 1
+    (fa,) = whole.step([(a, P.Fuse(2, n, [], 8))])
+    (fb,) = chunked.step([(b, P.Fuse(2, n, [], 8))])
+    assert list(fa.ids) == list(fb.ids)
+
+
+def test_a_long_new_prompt_does_not_stall_a_decoding_session(make_service, tiny, greedy):
+    """Session A decodes (one VERIFY per token) while session B opens with a 400-id prompt
+    prefilled 16 at a time: A's jobs run between B's chunks, and both answer exactly as alone."""
+    _, _, fp = tiny
+    svc = make_service(max_wait_ms=0.0)
+    svc.target.prefill_chunk = 16
+    long_prompt = [(5 * i + 1) % 300 + 10 for i in range(400)]
+    p = PROMPTS[0]
+    errors, out = [], {}
+
+    def decode_a():
+        try:
+            with CloudLink.connect("127.0.0.1", svc.port, **device_keys()) as link:
+                link.open(p, fp, max_new=40)
+                toks = []
+                for _ in range(20):
+                    r = link.request(P.Verify(len(toks), len(p) + len(toks), []), timeout_s=30)
+                    toks.append(int(r.token))
+                    if len(toks) == 2:
+                        started.set()
+                out["a"] = toks
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+            started.set()
+
+    started = threading.Event()
+    t = threading.Thread(target=decode_a)
+    t.start()
+    started.wait(30)
+    with CloudLink.connect("127.0.0.1", svc.port, **device_keys()) as link:
+        link.open(long_prompt, fp, max_new=8)
+        r = link.request(P.Verify(1, len(long_prompt), []), timeout_s=30)
+        out["b"] = int(r.token)
+    t.join(60)
+    assert not errors, errors
+    assert out["a"] == greedy[tuple(p)]
+    ref = Target(tiny[0], tiny[1], NAME)
+    s = ref.open(P.Open(long_prompt, fp, 0.0, 0, 0, 8))
+    (want,) = ref.step([(s, P.Verify(1, len(long_prompt), []))])
+    assert out["b"] == int(want.token)
+    stats = svc.stats()
+    assert stats["prefill_chunks"] == 25 + 1  # B: ceil(399 / 16); A: its 4 prompt ids in one
+    assert stats["prefill_interleaved_batches"] >= 1
