@@ -408,6 +408,7 @@ class CloudService:
                 "max_queue": self.max_queue,
                 "max_draft": getattr(self.target, "max_draft", None),
                 "max_batch_tokens": getattr(self.target, "max_batch_tokens", None),
+                "prefill_chunk": getattr(self.target, "prefill_chunk", None),
                 "split": self.split is not None,
             })
             out.update(self.stats())

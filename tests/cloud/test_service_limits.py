@@ -384,7 +384,7 @@ def test_limits_reach_the_service_process_and_the_config(tmp_path, tiny):
     _, _, fp = tiny
     limits = {"max_handshakes": 3, "max_connections": 5, "idle_timeout_s": 45.0, "handshake_timeout_s": 7.0,
               "max_frame_bytes": 4096, "max_pending": 3, "max_queue": 9, "max_draft": 5,
-              "max_batch_tokens": 2048}
+              "max_batch_tokens": 2048, "prefill_chunk": 8}
     assert set(limits) == set(LIMITS)
     proc, port = start_service_process(NAME, port=0, max_wait_ms=1.0, max_context=1024,
                                        log_path=tmp_path / "cloud.log", timeout_s=90, **limits)
@@ -404,4 +404,4 @@ def test_limits_reach_the_service_process_and_the_config(tmp_path, tiny):
     assert service_limits(compose("default").cloud.service) == {
         "max_handshakes": 32, "max_connections": 128, "idle_timeout_s": 300.0, "handshake_timeout_s": 10.0,
         "max_frame_bytes": 65536, "max_pending": 4, "max_queue": 256, "max_draft": 16,
-        "max_batch_tokens": 8192}
+        "max_batch_tokens": 8192, "prefill_chunk": 64}
