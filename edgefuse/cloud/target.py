@@ -306,6 +306,15 @@ class Target:
 
     def __init__(self, model, tok, name: str, max_context: int = 2048, min_block_rows: int = 4,
                  *, max_draft: int = 16, max_batch_tokens: int = 8192, prefill_chunk: int = 0):
+        self.model = model.eval()
+        get_decoder = getattr(self.model, "get_decoder", None)
+        self._body = get_decoder() if get_decoder is not None else None  # KV without the LM head
+        self._setup(tok, name, model.config, max_context, min_block_rows, max_draft, max_batch_tokens,
+                    prefill_chunk)
+
+    def _setup(self, tok, name: str, config, max_context: int, min_block_rows: int, max_draft: int,
+               max_batch_tokens: int, prefill_chunk: int) -> None:
+        """Everything but the model: names, limits (checked), counters."""
         if not 1 <= max_draft <= P.MAX_GAMMA:
             raise ValueError(f"max_draft must be in 1..{P.MAX_GAMMA}, got {max_draft}")
         if prefill_chunk < 0:
@@ -313,14 +322,11 @@ class Target:
         if max_batch_tokens < max(int(max_context), MIN_BATCH_TOKENS):
             raise ValueError(f"max_batch_tokens ({max_batch_tokens}) must be >= max_context "
                              f"({max_context}) and >= {MIN_BATCH_TOKENS}")
-        self.model = model.eval()
-        get_decoder = getattr(self.model, "get_decoder", None)
-        self._body = get_decoder() if get_decoder is not None else None  # KV without the LM head
         self.name = name
         self.fingerprint = tokenizer_fingerprint(tok)
         self.context_len = int(max_context)
-        self.vocab_size = int(model.config.vocab_size)
-        self.n_layers = int(model.config.num_hidden_layers)
+        self.vocab_size = int(config.vocab_size)
+        self.n_layers = int(config.num_hidden_layers)
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.pad_id = int(pad or 0)
         self.min_block_rows = int(min_block_rows)
@@ -376,8 +382,12 @@ class Target:
                              auth=auth, offset=msg.offset)
         self._evict(sess)
         if len(sess.tokens) > 1 and not self.prefill_chunk:
-            sess.cache = cache_from_layers(self._prefill(sess.tokens[:-1]))
+            self._open_prefill(sess)
         return sess
+
+    def _open_prefill(self, sess: TargetSession) -> None:
+        """The whole prefill of an OPEN: the cache of all prompt ids but the last."""
+        sess.cache = cache_from_layers(self._prefill(sess.tokens[:-1]))
 
     def prefill_left(self, sess: TargetSession) -> int:
         """Prompt ids of an opened session not prefilled yet (0 once :meth:`open` or the

@@ -35,8 +35,8 @@ def _one_thread(one_thread):
 @pytest.fixture(scope="module")
 def models():
     """{name: (model, tokenizer)}; the models keep requires_grad=True as loaded."""
-    return {"llama": tiny_model("llama", seed=0), "qwen2": tiny_model("qwen2", seed=1),
-            "gemma3_text": tiny_model("gemma3_text", seed=2)}
+    return {"llama": tiny_model("llama", seed=0, tokenizer="bpe"), "qwen2": tiny_model("qwen2", seed=1),
+            "gemma3_text": tiny_model("gemma3_text", seed=2, tokenizer="bpe")}  # one tokenizer: the hand-checked ids
 
 
 def make_fuser(recv, share, seed=0, gate=None, randomize=False):

@@ -40,10 +40,11 @@ PROMPT_LEN = 24  # > gemma3's window of 16: its sliding layers keep only the las
 
 @pytest.fixture(scope="module")
 def tiny():
-    """{arch: (model, tokenizer, prompt cache)} for one 24-token prompt, models frozen."""
+    """{arch: (model, tokenizer, prompt cache)} for one 24-token prompt, models frozen (one
+    tokenizer for all: the prompt's ids feed every model)."""
     out = {}
     for i, arch in enumerate(ARCHS):
-        model, tok = tiny_model(arch, seed=i)
+        model, tok = tiny_model(arch, seed=i, tokenizer="bpe")
         model.requires_grad_(False)
         out[arch] = (model, tok)
     ids = prompt_ids(out["llama"][1])

@@ -28,7 +28,7 @@ def test_decoding_phase_passes_the_runs_cache_dir(tmp_path, monkeypatch):
         raise Started
     monkeypatch.setattr(service, "start_service_process", start)
     monkeypatch.setattr(decoding_phase, "load_queries", lambda cfg: [])
-    node = NodeInfo(node_id=7, partition_id=2, model=str(cfg.cloud.device_model), lora_rank=4)
+    node = NodeInfo(node_id=7, partition_id=2, model="tiny-qwen2", lora_rank=4)
     ctx = types.SimpleNamespace(cfg=cfg, strategy=types.SimpleNamespace(nodes={7: node}), out=tmp_path)
     with pytest.raises(Started):
         decoding_phase.Decoding().run(ctx)

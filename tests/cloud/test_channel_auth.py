@@ -386,7 +386,7 @@ def test_decoding_phase_starts_the_service_with_the_operators_keys(tmp_path, mon
     monkeypatch.setattr(service, "start_service_process", start)
     monkeypatch.setattr(phase, "load_queries", lambda cfg: [])
     cfg = compose("tiny", [f"paths.cache_dir={tmp_path}", "data.mirror=hub"])
-    node = NodeInfo(node_id=7, partition_id=0, model=str(cfg.cloud.device_model), lora_rank=4)
+    node = NodeInfo(node_id=7, partition_id=0, model="tiny-qwen2", lora_rank=4)
     ctx = types.SimpleNamespace(cfg=cfg, strategy=types.SimpleNamespace(nodes={7: node}), out=tmp_path)
     with pytest.raises(Started):
         phase.Decoding().run(ctx)

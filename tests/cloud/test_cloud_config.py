@@ -27,8 +27,9 @@ def test_the_shipped_experiments_pass(experiment):
 def test_device_model_must_be_a_federation_client():
     msg = refused(["cloud.device_model=qwen2.5-coder-0.5b"])  # tiny runs tiny-* clients only
     assert msg == ("cloud.device_model 'qwen2.5-coder-0.5b' is not a federation client's model "
-                   "(tiny-llama, tiny-qwen2, tiny-gemma3)")
+                   "(tiny-llama, tiny-qwen2, tiny-gemma3) nor all")
     check_config(compose("tiny", ["cloud.device_model=tiny-llama"]))  # another client's model is fine
+    check_config(compose("tiny", ["cloud.device_model=all"]))  # every client's model: the default
 
 
 @pytest.mark.parametrize("modes, named", [("[edge,telepathy,spec_sync]", "['telepathy']"), ("[]", "[]")])
