@@ -204,6 +204,13 @@ def _cloud(argv: list[str]) -> int:
                    help="drafted tokens per VERIFY, at most; more get ERROR limit (default 16)")
     s.add_argument("--max-batch-tokens", type=int, default=8192,
                    help="token rows per forward pass, at most (>= --max-context; default 8192)")
+    s.add_argument("--backend", default="embedded", choices=["embedded", "vllm"],
+                   help="embedded: the model in this process; vllm: a vLLM server runs it (default embedded)")
+    s.add_argument("--vllm-python", default=None,
+                   help="vllm: the python of vLLM's own virtual environment (this starts its server)")
+    s.add_argument("--vllm-url", default=None, help="vllm: a running vLLM OpenAI server's URL instead")
+    s.add_argument("--vllm-arg", action="append", default=[],
+                   help="vllm: one more server flag, e.g. --vllm-arg=--tensor-parallel-size=2 (repeatable)")
     s.add_argument("--prefill-chunk", type=int, default=0,
                    help="prompt ids per prefill chunk, other sessions' batches run between "
                         "chunks (0 = a whole prefill at once; default 0)")
@@ -357,9 +364,10 @@ def _cloud(argv: list[str]) -> int:
               identity_path=args.identity or default_identity,
               authorized_path=args.authorized_devices or default_authorized,
               insecure_anonymous=args.insecure_anonymous, split_policy=split_policy,
-              prefill_chunk=args.prefill_chunk)
-    except (ModelSpecError, ModelFetchError, IdentityError, ValueError, OSError) as e:
-        raise CLIError(e) from None
+              prefill_chunk=args.prefill_chunk, backend=args.backend, vllm_python=args.vllm_python,
+              vllm_url=args.vllm_url, vllm_args=args.vllm_arg)
+    except (ModelSpecError, ModelFetchError, IdentityError, ValueError, OSError, RuntimeError) as e:
+        raise CLIError(e) from None  # RuntimeError: a vLLM server that would not start or answer
     return 0
 
 

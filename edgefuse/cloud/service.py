@@ -1144,7 +1144,8 @@ def serve(model: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, max_
           identity_path: str | os.PathLike | None = None,
           authorized_path: str | os.PathLike | None = None,
           insecure_anonymous: bool = False, split_policy: dict | None = None,
-          prefill_chunk: int = 0) -> None:
+          prefill_chunk: int = 0, backend: str = "embedded", vllm_python: str | None = None,
+          vllm_url: str | None = None, vllm_args: list[str] | None = None) -> None:
     """Load ``model`` (an :mod:`edgefuse.models` name), build a :class:`edgefuse.cloud.target.Target`
     and serve until SIGINT/SIGTERM. ``threads``: torch CPU threads (None = torch default).
     ``port_file``: once listening, the bound port is written there (atomically). The limits
@@ -1155,7 +1156,11 @@ def serve(model: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, max_
     devices (:func:`load_service_keys`; both required unless ``insecure_anonymous``), loaded
     before the model. ``split_policy``: serve split inference under this
     ``cloud.service.split`` mapping (:meth:`edgefuse.cloud.split_target.SplitPolicy.from_config`:
-    ``allowed``, ``head_split``, ``acts``); None: split OPENs get ERROR ``split``. Raises :class:`edgefuse.transport.identity.IdentityError` for keys that
+    ``allowed``, ``head_split``, ``acts``); None: split OPENs get ERROR ``split``.
+    ``backend``: ``embedded`` (the model in this process) or ``vllm``
+    (:class:`edgefuse.cloud.vllm_target.VllmTarget`: the server at ``vllm_url``, or one this
+    process starts with ``vllm_python`` over the model's folder, passing ``vllm_args`` such
+    as ``--tensor-parallel-size 2``, and stops on exit; no split inference). Raises :class:`edgefuse.transport.identity.IdentityError` for keys that
     cannot be loaded, ``ModelSpecError`` / ``ModelFetchError`` for a model that cannot be
     loaded, ``ValueError`` for an out-of-range limit and ``OSError`` when the port cannot be
     bound."""
@@ -1177,11 +1182,22 @@ def serve(model: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, max_
                  len(authorized.names()))
     if threads:
         torch.set_num_threads(int(threads))
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown cloud backend {backend!r}; choose from {', '.join(BACKENDS)}")
     t0 = time.perf_counter()
-    model_obj, tok = load_model(model)
-    target = Target(model_obj, tok, model, max_context=max_context, max_draft=max_draft,
-                    max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk)
-    log.info("model %s loaded in %.1f s (fingerprint %s, context %d)", model,
+    engine = None
+    if backend == "vllm":
+        target, engine = _vllm_target(model, threads, max_context, max_draft, max_batch_tokens,
+                                      vllm_python, vllm_url, vllm_args)
+        model_obj = tok = None
+        if policy is not None:
+            log.warning("the vLLM backend serves no split inference: split OPENs get ERROR split")
+            policy = None
+    else:
+        model_obj, tok = load_model(model)
+        target = Target(model_obj, tok, model, max_context=max_context, max_draft=max_draft,
+                        max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk)
+    log.info("model %s ready on %s in %.1f s (fingerprint %s, context %d)", model, backend,
              time.perf_counter() - t0, target.fingerprint, target.context_len)
     split = None
     if policy is not None:
@@ -1203,7 +1219,53 @@ def serve(model: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, max_
             tmp.write_text(str(svc.port))
             os.replace(tmp, port_file)
 
-    svc.serve_forever(on_ready=ready)
+    try:
+        svc.serve_forever(on_ready=ready)
+    finally:
+        if engine is not None:
+            engine.terminate()
+            try:
+                engine.wait(30)
+            except subprocess.TimeoutExpired:
+                engine.kill()
+
+
+BACKENDS = ("embedded", "vllm")
+
+
+def _vllm_target(model: str, threads, max_context: int, max_draft: int, max_batch_tokens: int,
+                 python: str | None, url: str | None, args: list[str] | None):
+    """``(VllmTarget, the vLLM process this started or None)`` for :func:`serve`.
+
+    Raises ``ValueError`` when neither a server URL nor a vLLM interpreter is given, or the
+    model has no folder a vLLM server can load (a tiny test model)."""
+    import socket
+
+    from edgefuse.cloud.vllm_target import VllmTarget, start_vllm_server, vllm_python_ok
+    from edgefuse.models import get_spec, load_tokenizer, model_config, resolve_path
+
+    tok, config = load_tokenizer(model), model_config(model)
+    proc = None
+    if url is None:
+        why = vllm_python_ok(python)
+        if why:
+            raise ValueError(f"the vLLM backend needs --vllm-url or --vllm-python: {why}")
+        spec = get_spec(model)
+        if spec.tiny:
+            raise ValueError(f"{model} is built in code: a vLLM server needs a model folder")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        log.info("starting a vLLM server for %s with %s", model, python)
+        proc, url = start_vllm_server(python, resolve_path(spec), model, port, threads=int(threads or 1),
+                                      max_context=max_context, extra=list(args or []), timeout_s=1800)
+    try:
+        return VllmTarget(url, model, tok, config, model, max_context, max_draft=max_draft,
+                          max_batch_tokens=max_batch_tokens), proc
+    except Exception:
+        if proc is not None:
+            proc.kill()
+        raise
 
 
 def load_service_keys(identity_path: str | os.PathLike | None,
@@ -1265,7 +1327,9 @@ def start_service_process(model: str, host: str = "127.0.0.1", port: int = 0, *,
                           authorized_path: str | os.PathLike | None = None,
                           insecure_anonymous: bool = False,
                           split_policy: dict | None = None,
-                          prefill_chunk: int = 0) -> tuple[subprocess.Popen, int]:
+                          prefill_chunk: int = 0, backend: str = "embedded",
+                          vllm_python: str | None = None, vllm_url: str | None = None,
+                          vllm_args: list[str] | None = None) -> tuple[subprocess.Popen, int]:
     """Start ``edgefuse cloud serve`` as a child process and wait until it answers a health
     check; returns ``(process, bound port)``. ``port=0`` picks a free port. The child's
     stdout+stderr go to ``log_path`` (appended; default: a temporary file), available as
@@ -1307,6 +1371,14 @@ def start_service_process(model: str, host: str = "127.0.0.1", port: int = 0, *,
         cmd += ["--authorized-devices", str(authorized_path)]
     if insecure_anonymous:
         cmd += ["--insecure-anonymous"]
+    if backend != "embedded":
+        cmd += ["--backend", backend]
+        if vllm_python:
+            cmd += ["--vllm-python", str(vllm_python)]
+        if vllm_url:
+            cmd += ["--vllm-url", str(vllm_url)]
+        for a in vllm_args or []:
+            cmd += [f"--vllm-arg={a}"]
     if split_policy is not None:
         from edgefuse.cloud.split_target import SplitPolicy
 

