@@ -265,7 +265,8 @@ def _cloud(argv: list[str]) -> int:
                    help="the most past tokens the cloud may keep and attend to "
                         "(default: privacy.cloud_auth.l_cache, unlimited)")
     g.add_argument("--target", default="qwen2.5-coder-1.5b",
-                   help="split modes: the cloud's model, whose first and last layers run here "
+                   help="the cloud's model: its tokenizer, when not the edge model's, for decoding "
+                        "across vocabularies; split modes: its first and last layers run here "
                         "(default qwen2.5-coder-1.5b)")
     g.add_argument("--split-k", type=int, default=2, help="split modes: the target's first layers here (default 2)")
     g.add_argument("--split-m", type=int, default=2, help="split modes: its last layers here (default 2)")

@@ -195,8 +195,16 @@ def run(args) -> int:
                        gamma=args.gamma, seed=args.seed,
                        fusion=FusionConfig(weight=args.fusion_weight, confidence=args.confidence),
                        deadline_ms=args.deadline_ms, auth=auth)
-    dec = Decoder(edge_lm or EdgeLM(model, tok, head=head), link, tokenizer_fingerprint(tok),
-                  rtt_ms=WanProfile.from_name(args.wan).rtt_ms, split=split)
+    cross, fp, cloud_tok = None, tokenizer_fingerprint(tok), None
+    if link is not None:  # a device of another tokenizer decodes across the vocabularies
+        from edgefuse.cloud.crossvocab import CrossVocab
+        from edgefuse.models import load_tokenizer
+
+        cloud_tok = load_tokenizer(args.target, paths.cache_dir)
+        if tokenizer_fingerprint(cloud_tok) != fp:
+            cross, fp = CrossVocab(tok, cloud_tok), tokenizer_fingerprint(cloud_tok)
+    dec = Decoder(edge_lm or EdgeLM(model, tok, head=head), link, fp,
+                  rtt_ms=WanProfile.from_name(args.wan).rtt_ms, split=split, cross=cross)
     history: list[dict] = []
     mapping: dict[str, str] = {}  # placeholder -> value over the whole chat; stays here
     try:
@@ -220,7 +228,8 @@ def run(args) -> int:
             ids = _prompt_ids(tok, history)
             reply = None
             for mode in modes:
-                res = dec.generate(mode, ids, cfg)
+                res = dec.generate(mode, ids, cfg,
+                                   cloud_prompt=_prompt_ids(cloud_tok, history) if cross else None)
                 shown = restore(res.text, mapping)
                 print(f"{mode}> {shown}" if len(modes) > 1 or args.prompt is None else shown)
                 print(figures(res), file=sys.stderr)
