@@ -1,5 +1,6 @@
 """The cloud decoding section: decoding.csv, decoding.png and the console table of the
-``decoding`` rows (one per mode), beside the per-generation ``decoding_records`` it owns.
+``decoding`` rows (one per device model and mode), beside the per-generation
+``decoding_records`` it owns.
 
 The CSV's columns are :data:`edgefuse.cloud.devices.ROW_FIELDS`, the fields the decoding
 evaluation fills; schema in :mod:`edgefuse.results.recorder`.
@@ -36,7 +37,8 @@ def plot_decoding(results: Mapping, path: str | os.PathLike) -> Path:
     if not rows:
         no_data(fig.add_subplot(1, 1, 1), "decoding rows")
         return save_png(fig, path)
-    labels = [r["mode"] for r in rows]
+    models = {r.get("device_model") for r in rows}
+    labels = [f"{r.get('device_model')} {r['mode']}" if len(models) > 1 else r["mode"] for r in rows]
     x = range(len(rows))
     colours = [colour(i, len(rows)) for i in x]
     panels = (("tokens_per_s", "tokens/s per device"), ("round_trips_per_token", "round trips per token"),
@@ -65,16 +67,17 @@ def decoding_table(results: Mapping) -> Table:
     each way, acceptance; agreement with the cloud-only output and task scores with their n
     and 95 % interval)."""
     table = Table(title="Decoding with the cloud LLM (per generated token; [95 % interval] (n))")
-    cols = (("mode", "mode", None), ("tok/s", "tokens_per_s", ".2f"), ("ms/tok", "ms_per_token", ".0f"),
+    cols = (("device", "device_model", None), ("tokenizer", "tokenizer", None), ("mode", "mode", None),
+            ("tok/s", "tokens_per_s", ".2f"), ("ms/tok", "ms_per_token", ".0f"),
             ("RT/tok", "round_trips_per_token", ".2f"), ("B up", "bytes_up_per_token", ".0f"),
             ("B down", "bytes_down_per_token", ".0f"), ("accept", "acceptance_rate", ".2f"),
             ("fallbacks", "fallbacks", ".0f"))
     scored = (("agree", "agreement_with_target", "agreement"), ("GSM8K EM", "gsm8k_exact_match", "gsm8k"),
               ("ROUGE-L", "rouge_l", "rouge_l"))
     for name in [c[0] for c in cols] + [s[0] for s in scored]:
-        table.add_column(name, justify="left" if name == "mode" else "right")
+        table.add_column(name, justify="left" if name in ("device", "tokenizer", "mode") else "right")
     for r in results.get("decoding", []):
-        cells = [str(r[k]) if f is None else fmt(r.get(k), f) for _, k, f in cols]
+        cells = [str(r.get(k)) if f is None else fmt(r.get(k), f) for _, k, f in cols]
         cells += [with_interval(r, key, r.get(f"{base}_n"), interval=base, spec=".2f")
                   for _, key, base in scored]
         table.add_row(*cells)

@@ -124,38 +124,49 @@ def test_tiny_c2c_with_controls_through_flwr_run(tmp_path):
     assert c2c["nll_vs_shuffled"] == pytest.approx(c2c["nll"] - rows["c2c_shuffled"]["nll"], abs=1e-9)
 
 
+MODES = ["edge", "cloud", "spec_sync", "spec_async", "fusion_static", "fusion_adaptive", "split", "split_spec"]
+DEVICE_MODELS = {"tiny-llama": "cross", "tiny-qwen2": "same", "tiny-gemma3": "cross"}  # their tokenizers
+
+
 def _check_decoding(res: dict, out: Path) -> None:
-    """The same run's cloud phase: the tiny target served by its own process, the tiny-qwen2
-    client decoding 2 GSM8K + 8 Dolly prompts in every mode with two concurrent sessions."""
-    rows = {r["mode"]: r for r in res["decoding"]}
-    assert list(rows) == ["edge", "cloud", "spec_sync", "spec_async", "fusion_static", "fusion_adaptive",
-                          "split", "split_spec"]
-    assert all(r["devices"] == 2 and r["prompts"] == 10 and r["fallbacks"] == 0 for r in rows.values())
-    assert rows["cloud"]["round_trips_per_token"] == 1.0 and rows["cloud"]["acceptance_rate"] is None
-    for m in ("spec_sync", "spec_async"):  # greedy speculative decoding is lossless
-        assert rows[m]["identical_to_target"] is True and rows[m]["agreement_with_target"] == 1.0
-        assert rows[m]["round_trips_per_token"] <= 1.0 and 0 <= rows[m]["acceptance_rate"] <= 1
-    for m in ("cloud", "spec_sync", "spec_async", "fusion_static", "fusion_adaptive"):
-        assert 0 < rows[m]["bytes_down_per_token"] < 1000 and rows[m]["bytes_up_per_token"] > 0
-    assert rows["edge"]["bytes_up_per_token"] == 0 and rows["edge"]["round_trips_per_token"] == 0
+    """The same run's cloud phase: the tiny target served by its own process, one client of
+    every model (tiny-llama and tiny-gemma3 of other tokenizers than the cloud's tiny-qwen2)
+    decoding 2 GSM8K + 8 Dolly prompts in every mode with two concurrent sessions each."""
+    rows = {(r["device_model"], r["mode"]): r for r in res["decoding"]}
+    assert sorted(rows) == sorted((d, m) for d in DEVICE_MODELS for m in MODES)
+    for (dm, m), r in rows.items():
+        assert r["devices"] == 2 and r["prompts"] == 10 and r["fallbacks"] == 0, (dm, m)
+        assert r["tokenizer"] == ("own" if m == "edge" else DEVICE_MODELS[dm]), (dm, m, r["tokenizer"])
+    for dm in DEVICE_MODELS:
+        assert rows[(dm, "cloud")]["round_trips_per_token"] == 1.0 and rows[(dm, "cloud")]["acceptance_rate"] is None
+        for m in ("spec_sync", "spec_async"):  # greedy speculative decoding is lossless, whatever the tokenizer
+            r = rows[(dm, m)]
+            assert r["identical_to_target"] is True and r["agreement_with_target"] == 1.0, (dm, m)
+            assert r["round_trips_per_token"] <= 1.0 and 0 <= r["acceptance_rate"] <= 1
+        for m in ("cloud", "spec_sync", "spec_async", "fusion_static", "fusion_adaptive"):
+            assert 0 < rows[(dm, m)]["bytes_down_per_token"] < 1000 and rows[(dm, m)]["bytes_up_per_token"] > 0
+        assert rows[(dm, "edge")]["bytes_up_per_token"] == 0 and rows[(dm, "edge")]["round_trips_per_token"] == 0
+        assert rows[(dm, "edge")]["agreement_n"] == 10  # compared on the cloud's ids of the texts
+        # split inference (experiment=tiny: k = 1, m = 0, a split head at column 32 under the
+        # english mask; results.json keeps no token ids, the mask is tested in tests/cloud): a
+        # MID and a HEAD per round, on the cloud's ids for every device
+        for m in ("split", "split_spec"):
+            assert rows[(dm, m)]["split"] == "k1 m0 int8 + head 32 english", rows[(dm, m)]
+            assert rows[(dm, m)]["bytes_up_per_token"] > 0 and rows[(dm, m)]["bytes_down_per_token"] > 0
+        assert rows[(dm, "split")]["round_trips_per_token"] >= 2.0  # MID + HEAD per token
     recs = res["decoding_records"]
-    assert len(recs) == 10 * 8
-    for m in rows:  # both sessions decoded in every mode...
-        assert {r["device"] for r in recs if r["mode"] == m} == {0, 1}
-    # split inference (experiment=tiny: k = 1, m = 0, a split head at column 32 under the
-    # english mask; results.json keeps no token ids, the mask is tested in tests/cloud): a MID
-    # and a HEAD per round
-    for m in ("split", "split_spec"):
-        assert rows[m]["split"] == "k1 m0 int8 + head 32 english", rows[m]
-        assert rows[m]["bytes_up_per_token"] > 0 and rows[m]["bytes_down_per_token"] > 0
-    assert rows["split"]["round_trips_per_token"] >= 2.0  # MID + HEAD per token
-    assert all(r["split"] is None for m, r in rows.items() if m not in ("split", "split_spec"))
+    assert len(recs) == 10 * len(MODES) * len(DEVICE_MODELS)
+    for dm in DEVICE_MODELS:
+        for m in MODES:  # both sessions of each device decoded in every mode...
+            assert {r["device"] for r in recs if r["mode"] == m and r["device_model"] == dm} == {0, 1}
     svc = res["summary"]["cloud_service"]
-    assert svc["max_batch_size"] >= 2 and svc["frames_rejected"] == 0  # ...at the same time
+    assert svc["max_batch_size"] >= 2 and svc["frames_rejected"] == 0 and svc["failed"] == {}  # ...at the same time
+    assert {d: v["tokenizer"] for d, v in svc["devices"].items()} == DEVICE_MODELS
     # the tiny-qwen2 client's `device: {profile: edge, quant: int8}`: it decoded on ONNX Runtime,
     # the export holding its adapter of the last round
-    rt = svc["device_runtime"]
+    rt = svc["devices"]["tiny-qwen2"]["device_runtime"]
     assert rt["profile"] == "edge" and rt["runtime"] == "onnxruntime-int8" and rt["adapter"] != "base"
+    assert svc["devices"]["tiny-llama"]["device_runtime"]["runtime"] == "torch-cpu"
     for name in ("decoding.csv", "decoding.png", "cloud_service.log"):
         assert (out / name).stat().st_size > 0
 
@@ -243,17 +254,18 @@ def test_deployment_mode_with_real_supernode_processes(tmp_path):
     # the cloud phase ran through the SuperNode's ClientApp: a row for every configured mode,
     # tokens generated in each, agreement with the target recorded, lossless speculation
     modes = res["config"]["cloud"]["modes"]
-    dec = {r["mode"]: r for r in res["decoding"]}
-    assert list(dec) == modes == ["edge", "cloud", "spec_sync", "spec_async", "fusion_static",
-                                  "fusion_adaptive", "split", "split_spec"]
-    for m, r in dec.items():
-        assert r["new_tokens"] > 0 and r["prompts"] == 10 and r["fallbacks"] == 0, (m, r)
-        assert 0 <= r["agreement_with_target"] <= 1, (m, r)
-    assert dec["cloud"]["agreement_with_target"] == 1.0 and dec["cloud"]["round_trips_per_token"] == 1.0
-    for m in ("spec_sync", "spec_async"):
-        assert dec[m]["identical_to_target"] is True and dec[m]["agreement_with_target"] == 1.0
-    assert dec["edge"]["bytes_up_per_token"] == 0 and dec["edge"]["round_trips_per_token"] == 0
+    assert modes == MODES
+    dec = {(r["device_model"], r["mode"]): r for r in res["decoding"]}
+    assert sorted(dec) == sorted((d, m) for d in DEVICE_MODELS for m in modes)  # every client model
+    for (dm, m), r in dec.items():
+        assert r["new_tokens"] > 0 and r["prompts"] == 10 and r["fallbacks"] == 0, (dm, m, r)
+        assert 0 <= r["agreement_with_target"] <= 1, (dm, m, r)
+    for dm in DEVICE_MODELS:
+        assert dec[(dm, "cloud")]["agreement_with_target"] == 1.0 and dec[(dm, "cloud")]["round_trips_per_token"] == 1.0
+        for m in ("spec_sync", "spec_async"):
+            assert dec[(dm, m)]["identical_to_target"] is True and dec[(dm, m)]["agreement_with_target"] == 1.0
+        assert dec[(dm, "edge")]["bytes_up_per_token"] == 0 and dec[(dm, "edge")]["round_trips_per_token"] == 0
     recs = res["decoding_records"]
-    assert len(recs) == 10 * len(modes) and {r["mode"] for r in recs} == set(modes)
+    assert len(recs) == 10 * len(modes) * len(DEVICE_MODELS) and {r["mode"] for r in recs} == set(modes)
     assert res["summary"]["cloud_service"]["frames_rejected"] == 0
     assert (run / "decoding.csv").stat().st_size > 0 and (run / "cloud_service.log").stat().st_size > 0
