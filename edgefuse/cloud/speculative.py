@@ -146,8 +146,9 @@ class GammaController:
     committed token (wall time from one answer to the next, drafting, rejections and stalls
     included) has been measured, that replaces the model, whose α and timings can be
     optimistic (a poor draft's rejections cost re-feeds the model does not count). When
-    γ = 0 is best, every ``probe_every``-th block drafts one token anyway, so a draft that
-    starts paying again (the text turns predictable) is noticed."""
+    γ = 0 is best, every ``probe_every``-th block drafts anyway, the best γ ≥ 1 (not always
+    1: on a CPU a block of 1 draft can cost more per token than one of 3, the rows being
+    padded), so a draft that starts paying again (the text turns predictable) is noticed."""
     gamma_min: int = 1
     gamma_max: int = 8
     alpha0: float = 0.7
@@ -192,6 +193,7 @@ class GammaController:
             return int(self.fixed)
         alpha = min(max(self.alpha, 0.0), 0.99)
         best, best_rate = self.gamma_min, -math.inf
+        drafting, drafting_rate = max(self.gamma_min, 1), -math.inf  # the best γ >= 1 (a probe's)
         for g in range(0 if self.zero else self.gamma_min, self.gamma_max + 1):
             remote = rtt_ms + verify_ms * (1 + self.verify_growth * g)
             if measured and g in measured:
@@ -204,11 +206,13 @@ class GammaController:
                 rate = 1.0 / max(achieved[g], 1e-9)
             if rate > best_rate + 1e-12:
                 best, best_rate = g, rate
+            if g >= 1 and rate > drafting_rate + 1e-12:
+                drafting, drafting_rate = g, rate
         if best == 0:
             self._since_draft += 1
-            if self._since_draft >= self.probe_every:  # does drafting pay again?
+            if self._since_draft >= self.probe_every:  # does drafting pay again? (its best block)
                 self._since_draft = 0
-                return max(self.gamma_min, 1)
+                return drafting
             return 0
         self._since_draft = 0
         if measured is not None:

@@ -563,8 +563,10 @@ class Decoder:
         text = bytearray()
         weights = []
         last_answer = time.perf_counter()
+        steps = 0  # a step may commit no cloud id (a special token of no bytes): bounded anyway
         try:
-            while len(res.tokens) < cfg.max_new_tokens:
+            while len(res.tokens) < cfg.max_new_tokens and steps < 4 * cfg.max_new_tokens:
+                steps += 1
                 if time.perf_counter() - last_answer > cfg.timeout_s:
                     raise TimeoutError(f"no answer from the cloud for {cfg.timeout_s:g} s")
                 msg = P.Fuse(self._next_req(), sent_len, unsent, cfg.fuse_topk, auth=cfg.auth,
