@@ -45,6 +45,7 @@ cloud entry, so ``w = 1`` emits the edge's own greedy token and ``w = 0`` the cl
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -54,7 +55,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from edgefuse.cloud.protocol import TopK
+from edgefuse.cloud.protocol import ProtocolError, TopK
 
 _FALLBACK_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -121,6 +122,11 @@ class ByteVocab:
     @property
     def size(self) -> int:
         return len(self.table)
+
+    @functools.cached_property
+    def blank(self) -> list[int]:
+        """The ids that spell nothing and end nothing (special tokens such as ``<pad>``)."""
+        return [i for i, b in enumerate(self.table) if not b and i not in self.ends]
 
     def join(self, ids) -> bytes:
         """The bytes of ``ids`` in order. Raises ``ValueError`` for an id outside the table."""
@@ -366,11 +372,12 @@ def candidates(edge_logits: torch.Tensor | None, reply: TopK, cross: CrossVocab,
         cross: the two vocabularies.
         k: how many device tokens to add.
 
-    Raises ``ValueError`` for a cloud id outside the cloud's vocabulary."""
+    Raises :class:`~edgefuse.cloud.protocol.ProtocolError` for a cloud id outside the cloud's
+    vocabulary (a lying cloud)."""
     cv, dv = cross.cloud, cross.device
     ids = np.asarray(reply.ids, dtype=np.int64)
     if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= cv.size):
-        raise ValueError(f"cloud top-k id outside the vocabulary of {cv.size}")
+        raise ProtocolError(f"cloud top-k id outside the vocabulary of {cv.size}")
     cloud_lp = reply.logprobs().astype(np.float64)
     cloud_floor = float(reply.tail) - math.log(max(cv.size - len(ids), 1))
     edge = torch.log_softmax(edge_logits.double(), -1) if edge_logits is not None else None

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from edgefuse.cloud.protocol import TopK
+from edgefuse.cloud.protocol import ProtocolError, TopK
 
 CONFIDENCES = ("entropy", "margin")
 
@@ -31,10 +31,11 @@ def cloud_logprobs(reply: TopK, vocab_size: int) -> torch.Tensor:
     """The cloud's log-probabilities over the full vocabulary, ``float64[vocab_size]``: the
     dequantized top-k where sent, ``tail − log(V − k)`` elsewhere.
 
-    Raises ``ValueError`` for ids outside the vocabulary."""
+    Raises :class:`~edgefuse.cloud.protocol.ProtocolError` (a ``ValueError``) for ids outside
+    the vocabulary."""
     ids = torch.as_tensor(np.asarray(reply.ids, dtype=np.int64))
     if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        raise ValueError(f"cloud top-k id outside the vocabulary of {vocab_size}")
+        raise ProtocolError(f"cloud top-k id outside the vocabulary of {vocab_size}")
     rest = max(vocab_size - len(ids), 1)
     out = torch.full((vocab_size,), reply.tail - math.log(rest), dtype=torch.float64)
     out[ids] = torch.as_tensor(reply.logprobs(), dtype=torch.float64)

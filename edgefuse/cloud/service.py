@@ -903,6 +903,12 @@ class CloudService:
                 err = P.Error("internal", f"target.open failed: {type(exc).__name__}: {exc}")
                 log.exception("session %d: target.open failed", sess.id)
             sess.failed = True
+            if sess.target is not None:  # opened, then a prefill chunk failed: nothing is served
+                try:
+                    runner.close(sess.target)
+                except Exception:  # noqa: BLE001
+                    log.exception("session %d: target.close failed", sess.id)
+                sess.target = None
             with self._lock:
                 self._live.discard(sess)
             if sess.split:
@@ -924,8 +930,11 @@ class CloudService:
 
     def _prefill_chunked(self, runner, sess: _Session) -> int:
         """A chunked prefill (``runner.prefill_chunk`` > 0, :meth:`Target.prefill_step`):
-        between chunks, one batch of the decode jobs already queued runs (other sessions'
-        VERIFY / FUSE; other items wait, in order, for after this OPEN). Returns the chunks."""
+        between chunks, one batch of the decode jobs waiting runs. Every item waiting (the
+        deferred ones first, then the queue) is taken in order; a job runs now only if it is
+        its session's first waiting item (its OPEN, AUTH or an earlier job are not overtaken)
+        and not this session's own (its answer must follow OPENED); everything else goes back,
+        in order, to wait for after this OPEN. Split MID jobs wait too. Returns the chunks."""
         step = getattr(runner, "prefill_step", None)
         chunks = 0
         while step is not None and not sess.closed and runner.prefill_left(sess.target) > 0:
@@ -934,15 +943,31 @@ class CloudService:
             self._count("prefill_chunks")
             if left <= 0:
                 break
-            item = self._next_item(0.0)
-            while item is not None and item is not _STOP and item.kind != "job":
-                self._pending.append(item)
-                item = None if self._queue.empty() else self._next_item(0.0)
-            if item is _STOP:
-                self._pending.appendleft(item)
-            elif item is not None:
+            waiting = list(self._pending)
+            self._pending.clear()
+            while True:
+                try:
+                    waiting.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            seen, batch, rest = {sess}, [], []
+            for it in waiting:
+                first = it is not _STOP and it.sess not in seen
+                if it is not _STOP:
+                    seen.add(it.sess)
+                if first and it.kind == "job" and len(batch) < self.max_batch:
+                    self._take(it)
+                    batch.append(it)
+                else:
+                    rest.append(it)
+            self._pending.extend(rest)
+            if batch:
                 self._count("prefill_interleaved_batches")
-                self._run_batch(item)
+                try:
+                    self._step(batch)
+                finally:
+                    for it in batch:  # whatever went wrong, every job frees its slot
+                        self._reply(it, None)
         return chunks
 
     def _reset_frame_limit(self, sess: _Session) -> None:

@@ -175,7 +175,7 @@ class GammaController:
 
     def choose(self, draft_ms: float, rtt_ms: float, verify_ms: float, overlap: bool = False,
                measured: dict[int, float] | None = None, settled=None,
-               achieved: dict[int, float] | None = None) -> int:
+               achieved: dict[int, float] | None = None, probe: bool = True) -> int:
         """The γ with the highest modelled tokens/s (ties: the smaller γ). Times in ms;
         ``verify_ms`` is the one-token verify time.
 
@@ -188,7 +188,8 @@ class GammaController:
         and one slow measurement does not bar a γ for good.
 
         ``achieved``: γ -> measured ms per committed token (see the class docstring); with
-        ``zero`` the result may be 0."""
+        ``zero`` the result may be 0. ``probe``: this choice counts towards the γ = 0 probe
+        (False for a bound asked on the side, as ``spec_async``'s look-ahead length)."""
         if self.fixed is not None:
             return int(self.fixed)
         alpha = min(max(self.alpha, 0.0), 0.99)
@@ -208,6 +209,8 @@ class GammaController:
                 best, best_rate = g, rate
             if g >= 1 and rate > drafting_rate + 1e-12:
                 drafting, drafting_rate = g, rate
+        if not probe:
+            return best
         if best == 0:
             self._since_draft += 1
             if self._since_draft >= self.probe_every:  # does drafting pay again? (its best block)

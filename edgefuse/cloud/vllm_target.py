@@ -10,8 +10,9 @@ How each request maps onto vLLM (``/v1/completions`` with token-id prompts):
   ``prompt_logprobs = K`` and ``logprobs = K``: the target's distribution at every drafted
   position comes back as prompt log-probs (position ``i`` scores the id at ``i``), the bonus
   position as the generated token's. Greedy verification needs only each position's top-1,
-  so it is exact. vLLM's automatic prefix caching keeps the window's KV between requests, so
-  a block costs about its new rows, as the embedded cache does.
+  so it is exact. vLLM (V1) skips its prefix cache for a request that asks prompt log-probs,
+  so a drafted block recomputes its whole window; a VERIFY of γ = 0 and every FUSE ask none
+  and reuse the cached prefix.
 * **FUSE**: one completion of the window, ``logprobs = K`` (K ≥ the request's top-k); the
   tail mass is ``1 − Σ top-K``.
 * **Sampling**: a session with the target's ``top_k`` ≤ K gets its exact distribution (the

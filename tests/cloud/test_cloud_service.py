@@ -608,3 +608,63 @@ def test_a_long_new_prompt_does_not_stall_a_decoding_session(make_service, tiny,
     stats = svc.stats()
     assert stats["prefill_chunks"] == 25 + 1  # B: ceil(399 / 16); A: its 4 prompt ids in one
     assert stats["prefill_interleaved_batches"] >= 1
+
+
+def _chunking_service():
+    """A service (never started) over a tiny target prefilling 4 ids a chunk; ``log`` gets
+    every answer (kind, session id, message type) in the order the worker gives them."""
+    from edgefuse.cloud.service import _Conn, _Session
+
+    model, tok = tiny_model("qwen2", seed=1)
+    target = Target(model, tok, NAME, prefill_chunk=4)
+    svc = CloudService(target, "127.0.0.1", 0, insecure_anonymous=True, max_wait_ms=0)
+    log = []
+    svc._reply = lambda item, msg, clear=False: msg is not None and log.append(
+        (item.kind, item.sess.id, type(msg).__name__))
+    conn = _Conn(1, None, None)
+    return svc, target, log, (lambda i: _Session(i, conn))
+
+
+def test_items_waiting_during_a_chunked_prefill_keep_their_order_and_end(tiny):
+    """The attacks on the interleaving: CLOSEs of other sessions queued during a prefill (it
+    must end, not spin); another session's AUTH then VERIFY (the AUTH must be answered first);
+    the opening session's own VERIFY sent right behind its OPEN (it must wait for OPENED)."""
+    from edgefuse.cloud.service import _Item
+
+    svc, target, log, session = _chunking_service()
+    a, b, c = session(1), session(2), session(3)
+    target.prefill_chunk = 0
+    b.target = target.open(P.Open([11, 12, 13], target.fingerprint, 0.0, 0, 0, 8))
+    target.prefill_chunk = 4
+    svc._live.update({a, b})
+    c.closed = True
+    svc._queue.put(_Item("close", c))
+    svc._queue.put(_Item("auth", b, P.Auth(P.CloudAuth())))
+    svc._queue.put(_Item("job", b, P.Verify(1, 3, [])))
+    svc._queue.put(_Item("job", a, P.Verify(1, 40, [])))  # A's own, right behind its OPEN
+    for it in list(svc._queue.queue):
+        it.counted = True
+    a.target = target.open(P.Open([(7 * i + 3) % 300 + 10 for i in range(40)], target.fingerprint, 0.0, 0, 0, 8))
+    done = []
+    t = threading.Thread(target=lambda: done.append(svc._prefill_chunked(target, a)), daemon=True)
+    t.start()
+    t.join(20)
+    assert done == [10] and target.prefill_left(a.target) == 0  # ended: ceil(39 / 4) chunks
+    assert log == []  # nothing overtook: B's AUTH waits, so does its VERIFY, and A's own job
+    assert [(i.kind, i.sess.id) for i in svc._pending] == [("close", 3), ("auth", 2), ("job", 2), ("job", 1)]
+
+
+def test_jobs_of_other_sessions_run_between_the_chunks(tiny):
+    from edgefuse.cloud.service import _Item
+
+    svc, target, log, session = _chunking_service()
+    a, b = session(1), session(2)
+    target.prefill_chunk = 0
+    b.target = target.open(P.Open([11, 12, 13], target.fingerprint, 0.0, 0, 0, 8))
+    target.prefill_chunk = 4
+    svc._live.update({a, b})
+    job = _Item("job", b, P.Verify(1, 3, []), counted=True)
+    svc._queue.put(job)
+    a.target = target.open(P.Open(list(range(10, 30)), target.fingerprint, 0.0, 0, 0, 8))
+    assert svc._prefill_chunked(target, a) == 5
+    assert log == [("job", 2, "Verified")] and not svc._pending and svc.stats()["prefill_interleaved_batches"] == 1

@@ -410,3 +410,58 @@ def test_sessions_of_three_tokenizers_batch_together_and_equal_their_solo_answer
         assert res.tokenizer == ("same" if name == "bpe" else "cross")
     stats = svc.stats()
     assert stats["max_batch_size"] >= 2, stats
+
+
+# --------------------------------------------------------------------- a lying cloud
+
+class LyingLink(DirectLink):
+    """A cloud that answers its second VERIFIED (or every TOPK) with values out of range."""
+
+    def __init__(self, target, how):
+        super().__init__(target)
+        self.how, self.seen = how, 0
+
+    def recv(self, timeout_s=None):
+        m = super().recv(timeout_s)
+        if isinstance(m, P.Verified):
+            self.seen += 1
+            if self.seen == 2:
+                m = {"token": P.Verified(m.req, m.accepted, 10**6), "negative": P.Verified(m.req, m.accepted, -5),
+                     "accepted": P.Verified(m.req, 200, m.token)}.get(self.how, m)
+        if isinstance(m, P.TopK) and self.how == "topk":
+            m = P.TopK(m.req, m.ids * 0 + 10**6, m.q, m.top, m.scale, m.tail)
+        return m
+
+
+@pytest.mark.parametrize("how, mode", [("token", "spec_sync"), ("negative", "spec_async"),
+                                       ("accepted", "spec_sync"), ("topk", "fusion_static")])
+def test_a_lying_cloud_is_a_protocol_error_not_a_crash(cloud, devices, how, mode):
+    """Answers out of range (a token outside the vocabulary, more accepted than drafted, top-k
+    ids outside the vocabulary) are refused by name, for a device of either tokenizer."""
+    target, ctok, T = cloud
+    dmodel, dtok, cv = devices["spm"]
+    text = "The quick brown fox"
+    for cross in (cv, None):
+        edge = EdgeLM(dmodel if cross else target, dtok if cross else ctok)
+        edge.eos_ids = set()
+        dec = Decoder(edge, LyingLink(T, how), T.fingerprint, cross=cross)
+        with pytest.raises(P.ProtocolError, match="lying cloud|outside the vocabulary"):
+            dec.generate(mode, (dtok if cross else ctok)(text)["input_ids"], DecodeConfig(max_new_tokens=8, gamma=2),
+                         cloud_prompt=ctok(text)["input_ids"] if cross else None)
+
+
+def test_the_fallback_starts_the_edge_on_its_own_prompt_whatever_drafted(cloud, devices):
+    """A prompt-lookup drafter (no model) and an edge that decoded another prompt before: when
+    the cloud goes away, the edge goes on from the device's prompt and the committed text."""
+    from edgefuse.cloud.decoding import NgramDrafter
+
+    target, ctok, T = cloud
+    dmodel, dtok, cv = devices["spm"]
+    edge = EdgeLM(dmodel, dtok)
+    edge.eos_ids = set()
+    Decoder(edge, None).generate("edge", dtok("Zebra zebra zebra")["input_ids"], DecodeConfig(max_new_tokens=3))
+    text = "The quick brown fox"
+    dp = dtok(text)["input_ids"]
+    res = Decoder(edge, DirectLink(T, fail_after=4), T.fingerprint, drafter=NgramDrafter(), cross=cv).generate(
+        "spec_sync", dp, DecodeConfig(max_new_tokens=12, gamma=1), cloud_prompt=ctok(text)["input_ids"])
+    assert res.fallback and edge.tokens[:len(dp)] == dp and len(res.tokens) == 12

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import math
 import time
 from dataclasses import asdict, replace
 
@@ -123,6 +124,7 @@ class Decoder:
         self.edge, self.link, self.fingerprint = edge, link, fingerprint
         self.cross = cross
         self._ends = edge.eos_ids  # the end ids of the generation in progress (its vocabulary)
+        self._vocab = edge.vocab_size  # and the size of that vocabulary
         self._device_prompt: list[int] = []
         self.split = split
         self._session = None  # the split session of the generation in progress
@@ -169,6 +171,7 @@ class Decoder:
         self._achieved = {}
         self._device_prompt = list(prompt)
         self._ends = cross.cloud.ends if cross is not None else self.edge.eos_ids
+        self._vocab = cross.cloud.size if cross is not None else self.edge.vocab_size  # of the loop's ids
         if cross is not None:
             prompt = list(cloud_prompt)
         table = mode + ("/sync" if mode == "split_spec" and not cfg.split_pipeline else "")
@@ -289,7 +292,10 @@ class Decoder:
         # another tokenizer: the device follows the committed text, goes on in its own ids, and
         # its text joins the result in the cloud's ids
         cv = self.cross
-        follow = ByteFollower(self.edge, cv.device_tok, cv.device, len(self._device_prompt))
+        dp = self._device_prompt
+        if self.edge.tokens[:len(dp)] != dp:  # the drafter ran on another model: the edge starts anew
+            self.edge.sync(dp)
+        follow = ByteFollower(self.edge, cv.device_tok, cv.device, len(dp))
         follow.sync(cv.cloud.join(res.tokens))
         mark = len(self.edge.tokens)
         own = DecodeResult(mode=res.mode, tokens=[])
@@ -392,13 +398,14 @@ class Decoder:
         """Per mode (``split_spec/sync`` apart), γ -> the median of its last round trips (ms)."""
         return {mode: _medians(s) for mode, s in self._samples.items()}
 
-    def _choose(self, ctl: GammaController, overlap: bool = False) -> int:
+    def _choose(self, ctl: GammaController, overlap: bool = False, probe: bool = True) -> int:
         """The controller's γ from the decoder's timings and this mode's measured round trips."""
         settled = {g for g, d in self._mode_samples.items() if len(d) == ROUND_TRIP_SAMPLES}
         achieved = {g: sum(ms for _, ms in d) / max(sum(n for n, _ in d), 1)
                     for g, d in self._achieved.items() if len(d) >= 2}
         return ctl.choose(self.draft_ms, self.rtt_ms, self.verify_ms, overlap=overlap,
-                          measured=_medians(self._mode_samples), settled=settled, achieved=achieved)
+                          measured=_medians(self._mode_samples), settled=settled, achieved=achieved,
+                          probe=probe)
 
     def _count_block(self, gamma: int, tokens: int) -> None:
         """Keep what a block of ``gamma`` drafts achieved: ``tokens`` committed in the time
@@ -437,6 +444,10 @@ class Decoder:
                                             cfg.top_k, q=draft.q, reply=reply)
         if not isinstance(reply, P.Verified) or reply.req != pending.req:
             raise P.ProtocolError(f"expected VERIFIED for request {pending.req}, got {reply!r}")
+        vocab = self._vocab
+        if not 0 <= reply.accepted <= len(draft.ids) or not 0 <= reply.token < vocab:
+            raise P.ProtocolError(f"VERIFIED {pending.req} accepts {reply.accepted} of {len(draft.ids)} "
+                                  f"drafts with token {reply.token} (vocabulary {vocab}): a lying cloud")
         return reply.accepted, reply.token
 
     def _speculative_async(self, prompt, cfg, gen, res, drafter: Drafter) -> None:
@@ -458,7 +469,7 @@ class Decoder:
                 left = cfg.max_new_tokens - len(res.tokens) - len(draft.ids)
                 drafting = left > 0  # until the drafter has nothing more to propose
                 # look ahead at most the γ that best fills a round trip when drafting overlaps it
-                gmax = self._choose(ctl, overlap=True)
+                gmax = self._choose(ctl, overlap=True, probe=False)
                 while reply is None:
                     if drafting and guess is None:
                         d = self._draft(drafter, 1, cfg, gen)
@@ -586,12 +597,15 @@ class Decoder:
                     if logits is None:
                         raise TimeoutError(f"no answer from the cloud for {cfg.timeout_s:g} s")
                     scores = torch.log_softmax(logits.double(), -1)
+                    scores[cv.device.blank] = -math.inf  # a special token that is no text or end
                     j = self._pick(scores, cfg, gen)
                     if j in e.eos_ids:
                         break
                     data, ids, dev = cv.device.table[j], None, j
                 else:
                     cands = candidates(logits, reply, cv, cfg.fuse_topk)
+                    if not cands:
+                        raise P.ProtocolError(f"TOPK {reply.req} leaves nothing to choose from")
                     w = fcfg.weight
                     if fcfg.adaptive and logits is not None:
                         w = edge_weight(torch.log_softmax(logits.double(), -1),
