@@ -142,7 +142,8 @@ def _check_decoding(res: dict, out: Path) -> None:
         for m in ("spec_sync", "spec_async"):  # greedy speculative decoding is lossless, whatever the tokenizer
             r = rows[(dm, m)]
             assert r["identical_to_target"] is True and r["agreement_with_target"] == 1.0, (dm, m)
-            assert r["round_trips_per_token"] <= 1.0 and 0 <= r["acceptance_rate"] <= 1
+            # a random tiny draft of another tokenizer never pays: the γ = 0 fallback may draft nothing
+            assert r["round_trips_per_token"] <= 1.0 and (r["acceptance_rate"] is None or 0 <= r["acceptance_rate"] <= 1)
         for m in ("cloud", "spec_sync", "spec_async", "fusion_static", "fusion_adaptive"):
             assert 0 < rows[(dm, m)]["bytes_down_per_token"] < 1000 and rows[(dm, m)]["bytes_up_per_token"] > 0
         assert rows[(dm, "edge")]["bytes_up_per_token"] == 0 and rows[(dm, "edge")]["round_trips_per_token"] == 0

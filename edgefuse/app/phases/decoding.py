@@ -56,15 +56,20 @@ def device_models(cfg) -> list[str]:
 def check_vocabularies(cfg) -> None:
     """Refuse, before any round, a device model whose tokenizer cannot meet the cloud's on
     bytes (:class:`~edgefuse.cloud.crossvocab.CrossVocab`); the tokenizers load alone (no
-    weights). Raises :class:`ConfigError` naming the model."""
+    weights). A client model whose tokenizer does not load is left to fail in its own round
+    (the run goes on without it). Raises :class:`ConfigError` naming the model."""
     from edgefuse.cloud.crossvocab import CrossVocab, VocabError
     from edgefuse.cloud.target import tokenizer_fingerprint
-    from edgefuse.models import load_tokenizer
+    from edgefuse.models import ModelFetchError, ModelSpecError, load_tokenizer
 
     root = cfg.paths.cache_dir
     cloud_tok = load_tokenizer(str(cfg.cloud.model), root)
     for name in device_models(cfg):
-        tok = load_tokenizer(name, root)
+        try:
+            tok = load_tokenizer(name, root)
+        except (ModelSpecError, ModelFetchError, OSError) as exc:
+            log(WARNING, "cloud: %s has no tokenizer to check (%s); it will not decode", name, exc)
+            continue
         if tokenizer_fingerprint(tok) == tokenizer_fingerprint(cloud_tok):
             continue
         try:
