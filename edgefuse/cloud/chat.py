@@ -200,7 +200,16 @@ def run(args) -> int:
         from edgefuse.cloud.crossvocab import CrossVocab
         from edgefuse.models import load_tokenizer
 
-        cloud_tok = load_tokenizer(args.target, paths.cache_dir)
+        from edgefuse.cloud.link import cloud_health
+        from edgefuse.models import ModelFetchError, ModelSpecError
+
+        # the model the service says it serves (its public health answer); a tokenizer not
+        # held here means this one: the authenticated OPEN's fingerprint check decides either way
+        try:
+            served = str(cloud_health(args.host, args.port, timeout_s=5.0).get("model") or args.target)
+            cloud_tok = load_tokenizer(served, paths.cache_dir, allow_fetch=False)
+        except (CloudUnavailable, OSError, ValueError, ModelSpecError, ModelFetchError):
+            cloud_tok = tok
         if tokenizer_fingerprint(cloud_tok) != fp:
             cross, fp = CrossVocab(tok, cloud_tok), tokenizer_fingerprint(cloud_tok)
     dec = Decoder(edge_lm or EdgeLM(model, tok, head=head), link, fp,

@@ -77,8 +77,9 @@ def test_configured_drafter_on_batched_devices_through_the_service(service, name
     model = perturbed_copy(target, 0.1)
     queries = [Query(qid=f"dolly/{i}", kind="dolly", instruction=f"repeat item {i} item {i} item {i}",
                      context="", choices=None, answer=None, reference="", category="c") for i in range(2)]
+    cfg = DecodeConfig(max_new_tokens=12, gamma0_fallback=False)  # every block drafts: the drafter is used
     recs, wall = run_devices(model, tok, queries, ["cloud", "spec_sync", "spec_async"],
-                             DecodeConfig(max_new_tokens=12), "127.0.0.1", svc.port, WanProfile(5.0, 100.0),
+                             cfg, "127.0.0.1", svc.port, WanProfile(5.0, 100.0),
                              2, svc.target.fingerprint, max_prompt_tokens=64,
                              drafter=DrafterSpec(name, shallow_layers=1), **device_keys())
     rows = {r["mode"]: r for r in summarize(recs, wall, tok, 5.0, 2, greedy=True)}
