@@ -56,6 +56,13 @@ def tokenizer_fingerprint(tok) -> str:
     return h.hexdigest()[:16]
 
 
+def job_error(exc: Exception) -> P.Error:
+    """The ERROR answering one job whose reply could not be built: the exception's own
+    ``code`` if it has one, else ``protocol`` for a ``ValueError`` and ``internal`` otherwise."""
+    code = getattr(exc, "code", "protocol" if isinstance(exc, ValueError) else "internal")
+    return P.Error(code, f"{type(exc).__name__}: {exc}")
+
+
 class SessionError(ValueError):
     """A request the target refuses; ``code`` is the protocol ERROR code (``fingerprint``,
     ``context``, ``sync``, ``evicted``, ``limit``, ``protocol``)."""
@@ -582,8 +589,7 @@ class Target:
             try:  # one bad job never costs the others their answers
                 replies[j] = self._finish(sess, req, plan, torch.cat(parts), kvs.get(b))
             except Exception as exc:  # noqa: BLE001 - the session is left unchanged
-                code = getattr(exc, "code", "protocol" if isinstance(exc, ValueError) else "internal")
-                replies[j] = P.Error(code, f"{type(exc).__name__}: {exc}")
+                replies[j] = job_error(exc)
         self.batches += 1
         self.jobs += len(live)
         return replies  # type: ignore[return-value]

@@ -45,7 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from edgefuse.cloud import protocol as P
-from edgefuse.cloud.target import SessionError, Target, TargetSession
+from edgefuse.cloud.target import SessionError, Target, TargetSession, job_error
 
 DEFAULT_LOGPROBS = 20  # vLLM's default --max-logprobs
 
@@ -185,8 +185,7 @@ class VllmTarget(Target):
             except VllmError as exc:
                 replies[j] = P.Error("internal", str(exc))
             except Exception as exc:  # noqa: BLE001 - the session is left unchanged
-                code = getattr(exc, "code", "protocol" if isinstance(exc, ValueError) else "internal")
-                replies[j] = P.Error(code, f"{type(exc).__name__}: {exc}")
+                replies[j] = job_error(exc)
         self.batches += 1
         self.jobs += len(live)
         return replies  # type: ignore[return-value]
