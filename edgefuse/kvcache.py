@@ -45,3 +45,16 @@ def fused_forward(receiver_model, fused_cache: DynamicCache, input_ids: torch.Te
     out = receiver_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          cache=cache, use_cache=True)
     return out.logits
+
+
+def cache_from_layers(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+    """A ``DynamicCache`` holding ``[(keys, values)]`` per layer (tensors shared, not copied)."""
+    cache = DynamicCache()
+    for i, (k, v) in enumerate(layers):
+        cache.update(k, v, i)
+    return cache
+
+
+def cache_layers(out) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The ``(keys, values)`` of every layer of a forward output's cache."""
+    return [(layer.keys, layer.values) for layer in out.cache.layers]

@@ -214,6 +214,10 @@ def _cloud(argv: list[str]) -> int:
     s.add_argument("--prefill-chunk", type=int, default=0,
                    help="prompt ids per prefill chunk, other sessions' batches run between "
                         "chunks (0 = a whole prefill at once; default 0)")
+    s.add_argument("--row-padding", default="auto",
+                   help="how a forward's new-token rows are padded: auto (measure this machine's "
+                        "cost per row count once, cached beside the models, and pad to the cheapest "
+                        "count at or above), none, or an int m (pad 2..m-1 rows to m) (default auto)")
     s.add_argument("--max-handshakes", type=int, default=None,
                    help="connections not yet authenticated at once; more are closed on accept "
                         "(default min(32, --max-connections))")
@@ -366,7 +370,7 @@ def _cloud(argv: list[str]) -> int:
               authorized_path=args.authorized_devices or default_authorized,
               insecure_anonymous=args.insecure_anonymous, split_policy=split_policy,
               prefill_chunk=args.prefill_chunk, backend=args.backend, vllm_python=args.vllm_python,
-              vllm_url=args.vllm_url, vllm_args=args.vllm_arg)
+              vllm_url=args.vllm_url, vllm_args=args.vllm_arg, row_padding=args.row_padding)
     except (ModelSpecError, ModelFetchError, IdentityError, ValueError, OSError, RuntimeError) as e:
         raise CLIError(e) from None  # RuntimeError: a vLLM server that would not start or answer
     return 0

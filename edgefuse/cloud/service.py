@@ -409,6 +409,8 @@ class CloudService:
                 "max_draft": getattr(self.target, "max_draft", None),
                 "max_batch_tokens": getattr(self.target, "max_batch_tokens", None),
                 "prefill_chunk": getattr(self.target, "prefill_chunk", None),
+                "row_padding": (self.target.padding.summary() if hasattr(self.target, "padding")
+                                else None),
                 "split": self.split is not None,
             })
             out.update(self.stats())
@@ -1170,7 +1172,8 @@ def serve(model: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, max_
           authorized_path: str | os.PathLike | None = None,
           insecure_anonymous: bool = False, split_policy: dict | None = None,
           prefill_chunk: int = 0, backend: str = "embedded", vllm_python: str | None = None,
-          vllm_url: str | None = None, vllm_args: list[str] | None = None) -> None:
+          vllm_url: str | None = None, vllm_args: list[str] | None = None,
+          row_padding: str | int = "auto") -> None:
     """Load ``model`` (an :mod:`edgefuse.models` name), build a :class:`edgefuse.cloud.target.Target`
     and serve until SIGINT/SIGTERM. ``threads``: torch CPU threads (None = torch default).
     ``port_file``: once listening, the bound port is written there (atomically). The limits
@@ -1185,14 +1188,18 @@ def serve(model: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, max_
     ``backend``: ``embedded`` (the model in this process) or ``vllm``
     (:class:`edgefuse.cloud.vllm_target.VllmTarget`: the server at ``vllm_url``, or one this
     process starts with ``vllm_python`` over the model's folder, passing ``vllm_args`` such
-    as ``--tensor-parallel-size 2``, and stops on exit; no split inference). Raises :class:`edgefuse.transport.identity.IdentityError` for keys that
+    as ``--tensor-parallel-size 2``, and stops on exit; no split inference).
+    ``row_padding``: how the embedded target pads a forward's rows
+    (:func:`edgefuse.cloud.rows.row_padding_for`: ``auto`` measures this machine's costs
+    once, cached beside the models; ``none``; an int m). Raises :class:`edgefuse.transport.identity.IdentityError` for keys that
     cannot be loaded, ``ModelSpecError`` / ``ModelFetchError`` for a model that cannot be
     loaded, ``ValueError`` for an out-of-range limit and ``OSError`` when the port cannot be
     bound."""
     import torch
 
+    from edgefuse.cloud.rows import check_row_padding, row_padding_for
     from edgefuse.cloud.target import Target
-    from edgefuse.models import load_model
+    from edgefuse.models import cache_dir, load_model
 
     from edgefuse.cloud.split_target import SplitPolicy, SplitTarget
 
@@ -1209,6 +1216,7 @@ def serve(model: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, max_
         torch.set_num_threads(int(threads))
     if backend not in BACKENDS:
         raise ValueError(f"unknown cloud backend {backend!r}; choose from {', '.join(BACKENDS)}")
+    row_padding = check_row_padding(row_padding)
     t0 = time.perf_counter()
     engine = None
     if backend == "vllm":
@@ -1220,14 +1228,19 @@ def serve(model: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, max_
             policy = None
     else:
         model_obj, tok = load_model(model)
+        t1 = time.perf_counter()
+        padding = row_padding_for(row_padding, model_obj, model, cache_dir())
+        log.info("row padding %s in %.1f s: %s", padding.source, time.perf_counter() - t1,
+                 padding.summary()["pad_to"] or "none")
         target = Target(model_obj, tok, model, max_context=max_context, max_draft=max_draft,
-                        max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk)
+                        max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk,
+                        row_padding=padding)
     log.info("model %s ready on %s in %.1f s (fingerprint %s, context %d)", model, backend,
              time.perf_counter() - t0, target.fingerprint, target.context_len)
     split = None
     if policy is not None:
         split = SplitTarget(model_obj, tok, model, policy, max_context=max_context,
-                            max_batch_tokens=max_batch_tokens)
+                            max_batch_tokens=max_batch_tokens, row_padding=target.padding)
         log.info("split inference served: allowed %s, head split %s, acts %s", policy.allowed,
                  policy.head_split, ",".join(policy.acts))
     svc = CloudService(target, host, port, max_batch=max_batch, max_wait_ms=max_wait_ms,
@@ -1320,7 +1333,8 @@ def default_service_keys(root: str | os.PathLike) -> tuple[Path, Path]:
 
 LIMITS = {"max_handshakes": int, "max_connections": int, "idle_timeout_s": float,
           "handshake_timeout_s": float, "max_frame_bytes": int, "max_pending": int, "max_queue": int, "max_draft": int,
-          "max_batch_tokens": int, "prefill_chunk": int}  # cloud.service.* keys passed through start_service_process
+          "max_batch_tokens": int, "prefill_chunk": int,
+          "row_padding": str}  # cloud.service.* keys passed through start_service_process
 
 
 def service_limits(svc_cfg) -> dict:
@@ -1354,7 +1368,8 @@ def start_service_process(model: str, host: str = "127.0.0.1", port: int = 0, *,
                           split_policy: dict | None = None,
                           prefill_chunk: int = 0, backend: str = "embedded",
                           vllm_python: str | None = None, vllm_url: str | None = None,
-                          vllm_args: list[str] | None = None) -> tuple[subprocess.Popen, int]:
+                          vllm_args: list[str] | None = None,
+                          row_padding: str | int = "auto") -> tuple[subprocess.Popen, int]:
     """Start ``edgefuse cloud serve`` as a child process and wait until it answers a health
     check; returns ``(process, bound port)``. ``port=0`` picks a free port. The child's
     stdout+stderr go to ``log_path`` (appended; default: a temporary file), available as
@@ -1371,6 +1386,7 @@ def start_service_process(model: str, host: str = "127.0.0.1", port: int = 0, *,
     ``insecure_anonymous``: ``--insecure-anonymous`` (the benchmark's "auth off" only);
     ``split_policy``: ``--split-policy JSON`` (see :func:`serve`; None: no split inference)."""
     from edgefuse.cloud.link import cloud_health
+    from edgefuse.cloud.rows import check_row_padding
 
     workdir = Path(tempfile.mkdtemp(prefix="edgefuse-cloud-"))
     port_file = workdir / "port"
@@ -1383,6 +1399,7 @@ def start_service_process(model: str, host: str = "127.0.0.1", port: int = 0, *,
            "--max-frame-bytes", str(max_frame_bytes), "--max-pending", str(max_pending),
            "--max-queue", str(max_queue), "--max-draft", str(max_draft),
            "--max-batch-tokens", str(max_batch_tokens), "--prefill-chunk", str(prefill_chunk),
+           "--row-padding", check_row_padding(row_padding),
            "--port-file", str(port_file), "--log-level", log_level]
     if threads:
         cmd += ["--threads", str(threads)]

@@ -41,7 +41,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
-from edgefuse.cloud.target import batched_forward, cache_from_layers
+from edgefuse.cloud.target import batched_forward
+from edgefuse.kvcache import cache_from_layers
 from edgefuse.transport.quant import INT8_MAX, quantize_int8_rows
 
 SUPPORTED = ("qwen2", "llama", "gemma3_text")  # config.model_type values split_model cuts
@@ -244,7 +245,7 @@ def crop_layers(layers: KV, n: int) -> KV:
 
 @torch.no_grad()
 def middle_forward(middle: nn.Module, per: list, pasts: list[int], inputs: list[torch.Tensor],
-                   offsets: list[int] | None = None, min_rows: int = 1):
+                   offsets: list[int] | None = None, padding=None):
     """The middle layers over several sessions in one forward pass.
 
     Row b continues its cache ``per[b]`` (``[(k, v)]`` per middle layer of ``pasts[b]``
@@ -252,7 +253,7 @@ def middle_forward(middle: nn.Module, per: list, pasts: list[int], inputs: list[
     n_b >= 1). ``offsets[b]``: the absolute position of that cache's first row (0 unless it
     was rebuilt from a re-sent window: ``base_len - window``), so row b's new rows sit at
     ``offsets[b] + pasts[b] + 0..n_b-1``. Sessions share no tensors (see
-    :func:`edgefuse.cloud.target.batched_forward`).
+    :func:`edgefuse.cloud.target.batched_forward`, which pads the rows by ``padding``).
 
     Returns ``(outs, kvs)``: per row ``[n_b, D]`` outputs (no final norm) and its new cache
     of exactly ``pasts[b] + n_b`` positions. Raises ``ValueError`` for mismatched lengths or
@@ -272,7 +273,7 @@ def middle_forward(middle: nn.Module, per: list, pasts: list[int], inputs: list[
         if (p and have != (p, n_mid)) or (not p and kv is not None and have[0]):
             raise ValueError(f"middle_forward: cache {b} holds {have[0]} positions of {have[1]} "
                              f"layers; expected {p} of {n_mid}")
-    outs, kvs = batched_forward(middle, per, pasts, inputs, 0, min_rows, "last_hidden_state", offsets)
+    outs, kvs = batched_forward(middle, per, pasts, inputs, 0, padding, "last_hidden_state", offsets)
     kvs = [crop_layers(kv, int(p) + len(x)) for kv, p, x in zip(kvs, pasts, inputs)]
     return outs, kvs
 

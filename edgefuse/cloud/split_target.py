@@ -53,7 +53,8 @@ import torch
 from edgefuse.cloud import protocol as P
 from edgefuse.cloud import split as S
 from edgefuse.cloud import vocab as V
-from edgefuse.cloud.target import (MIN_BATCH_TOKENS, SessionError, Target, _fed, pack_rows,
+from edgefuse.cloud.rows import RowPadding
+from edgefuse.cloud.target import (MIN_BATCH_TOKENS, SessionError, Target, pack_rows,
                                    tokenizer_fingerprint)
 from edgefuse.transport.crypto import FRAME_OVERHEAD
 
@@ -180,7 +181,8 @@ class SplitTarget:
         max_context: rows one session's window + new rows may hold (as the target's).
         max_batch_tokens: rows one forward pass may feed, padding included (≥ max_context
             and ≥ 512).
-        min_block_rows: as :class:`edgefuse.cloud.target.Target`'s.
+        row_padding: as :class:`edgefuse.cloud.target.Target`'s (the service passes the
+            table calibrated on the whole target: the middle layers are most of it).
 
     Counters: ``batches`` / ``jobs`` (step calls that ran a forward, MID jobs run),
     ``forwards`` / ``forward_tokens`` / ``forward_tokens_max``, ``rebuilds`` /
@@ -194,7 +196,7 @@ class SplitTarget:
 
     def __init__(self, model, tok, name: str, policy: SplitPolicy | None = None,
                  max_context: int = 2048, *, max_batch_tokens: int = 8192,
-                 min_block_rows: int = 4):
+                 row_padding: RowPadding | int = 4):
         if max_batch_tokens < max(int(max_context), MIN_BATCH_TOKENS):
             raise ValueError(f"max_batch_tokens ({max_batch_tokens}) must be >= max_context "
                              f"({max_context}) and >= {MIN_BATCH_TOKENS}")
@@ -205,7 +207,7 @@ class SplitTarget:
         self.fingerprint = tokenizer_fingerprint(tok)
         self.context_len = int(max_context)
         self.max_batch_tokens = int(max_batch_tokens)
-        self.min_block_rows = int(min_block_rows)
+        self.padding = RowPadding.coerce(row_padding)
         cfg = model.config
         self.n_layers = int(cfg.num_hidden_layers)
         self.hidden_size = int(cfg.hidden_size)
@@ -366,7 +368,7 @@ class SplitTarget:
         first_held = B - held  # absolute position of the first held row we use
         usable = c == 0 and sess.kv is not None and sess.start == origin
         past = min(sess.kv_len, need) if usable else 0
-        cost = _fed(1, need - past + n, self.min_block_rows)
+        cost = self.padding.fed(1, need - past + n)
         if cost > self.max_batch_tokens:
             self.limit_refusals += 1
             raise SessionError("limit", f"the MID would feed {cost} rows; this cloud runs at "
@@ -416,7 +418,7 @@ class SplitTarget:
                                           [plans[j].past for j in group],
                                           [plans[j].inputs for j in group],
                                           offsets=[plans[j].origin for j in group],
-                                          min_rows=self.min_block_rows)
+                                          padding=self.padding)
             outs.update(zip(group, hs))
             kvs.update(zip(group, caches))
         for j, plan in plans.items():
@@ -438,10 +440,10 @@ class SplitTarget:
             by_split.setdefault(p.group, []).append(j)
         groups: list[list[int]] = []
         for js in by_split.values():
-            groups += pack_rows(js, [plans[j].inputs.shape[0] for j in js], self.min_block_rows,
+            groups += pack_rows(js, [plans[j].inputs.shape[0] for j in js], self.padding,
                                 self.max_batch_tokens)
         for g in groups:
-            fed = _fed(len(g), max(plans[j].inputs.shape[0] for j in g), self.min_block_rows)
+            fed = self.padding.fed(len(g), max(plans[j].inputs.shape[0] for j in g))
             self.forwards += 1
             self.forward_tokens += fed
             self.forward_tokens_max = max(self.forward_tokens_max, fed)

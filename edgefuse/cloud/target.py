@@ -44,7 +44,9 @@ import torch
 from transformers import DynamicCache
 
 from . import protocol as P
+from edgefuse.cloud.rows import RowPadding
 from edgefuse.cloud.speculative import sparse_q, target_probs, verify_greedy, verify_sampled
+from edgefuse.kvcache import cache_from_layers, cache_layers
 
 
 def tokenizer_fingerprint(tok) -> str:
@@ -117,14 +119,6 @@ class TargetSession:
         return len(self.tokens)
 
 
-def cache_from_layers(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
-    """A ``DynamicCache`` holding ``[(keys, values)]`` per layer (tensors shared, not copied)."""
-    cache = DynamicCache()
-    for i, (k, v) in enumerate(layers):
-        cache.update(k, v, i)
-    return cache
-
-
 def _kv(cache: DynamicCache | None, n_layers: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
     """The first ``length`` positions of every layer of ``cache`` (views), None if empty."""
     if cache is None or length == 0:
@@ -132,34 +126,18 @@ def _kv(cache: DynamicCache | None, n_layers: int, length: int) -> list[tuple[to
     return [(layer.keys[:, :, :length], layer.values[:, :, :length]) for layer in cache.layers[:n_layers]]
 
 
-def cache_layers(out) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The ``(keys, values)`` of every layer of a forward output's cache."""
-    return [(layer.keys, layer.values) for layer in out.cache.layers]
-
-
 MIN_BATCH_TOKENS = 512  # the smallest max_batch_tokens: a 255-token FUSE row fits with room
 
 
-def _rows(total: int, min_rows: int) -> int:
-    """Token rows :func:`batched_forward` pads ``total`` new-token rows to (``min_rows``)."""
-    return min_rows if 1 < total < min_rows else total
-
-
-def _fed(bsz: int, longest: int, min_rows: int) -> int:
-    """Token rows one :func:`batched_forward` of ``bsz`` sequences (the longest with
-    ``longest`` new ids) feeds, padding included."""
-    return bsz * -(-_rows(bsz * longest, min_rows) // bsz)
-
-
-def pack_rows(keys: list, lens: list[int], min_rows: int, max_tokens: int) -> list[list]:
+def pack_rows(keys: list, lens: list[int], padding: RowPadding, max_tokens: int) -> list[list]:
     """``keys`` (one per sequence, ``lens`` new rows each) in consecutive groups whose padded
-    :func:`batched_forward` feeds at most ``max_tokens`` token rows (:func:`_fed`); a
-    sequence that alone exceeds it gets a group of its own (callers refuse those first)."""
+    :func:`batched_forward` feeds at most ``max_tokens`` token rows (:meth:`RowPadding.fed`);
+    a sequence that alone exceeds it gets a group of its own (callers refuse those first)."""
     groups: list[list] = []
     cur: list = []
     longest = 0
     for key, n in zip(keys, lens):
-        if cur and _fed(len(cur) + 1, max(longest, n), min_rows) > max_tokens:
+        if cur and padding.fed(len(cur) + 1, max(longest, n)) > max_tokens:
             groups.append(cur)
             cur, longest = [], 0
         cur.append(key)
@@ -171,7 +149,8 @@ def pack_rows(keys: list, lens: list[int], min_rows: int, max_tokens: int) -> li
 
 @torch.no_grad()
 def batched_forward(model, per: list, pasts: list[int], inputs: list, pad_id: int,
-                    min_rows: int = 1, output: str = "logits", offsets: list[int] | None = None):
+                    padding: RowPadding | int | None = None, output: str = "logits",
+                    offsets: list[int] | None = None):
     """One forward pass over several independent sequences, each with its own KV cache.
 
     Row b continues ``per[b]`` (``[(k, v)]`` per layer, ``(1, kv_heads, pasts[b], d)``, or
@@ -180,10 +159,10 @@ def batched_forward(model, per: list, pasts: list[int], inputs: list, pad_id: in
     rows of one call are of one kind). The caches are left-padded to the longest, the inputs
     right-padded (pad id, or zero vectors), and a 2-D attention mask hides both pads; row
     b's positions are ``offsets[b] + pasts[b] + 0, 1, ...`` (``offsets`` None = all 0: a
-    cache that starts at position 0). When the batch holds 2 to ``min_rows - 1`` token rows
-    in all, the inputs are padded to ``min_rows`` rows (pad rows are never returned). A
-    single sequence gets no batch padding or mask (only that row padding), so it computes
-    exactly as alone.
+    cache that starts at position 0). The inputs are padded to ``padding.rows(n)`` token rows
+    for ``n`` in all (:class:`~edgefuse.cloud.rows.RowPadding`; an int m pads 2..m-1 rows
+    to m, None pads nothing; pad rows are never returned). A single sequence gets no batch
+    padding or mask (only that row padding), so it computes exactly as alone.
 
     Args:
         model: a causal LM (``output="logits"``) or its decoder body
@@ -195,9 +174,7 @@ def batched_forward(model, per: list, pasts: list[int], inputs: list, pad_id: in
     Raises:
         ValueError: ids and embeddings mixed, or ``offsets`` of another length than ``inputs``.
     """
-    def rows(total: int) -> int:
-        return min_rows if 1 < total < min_rows else total
-
+    rows = RowPadding.coerce(padding).rows
     embeds = isinstance(inputs[0], torch.Tensor)
     if any(isinstance(x, torch.Tensor) != embeds for x in inputs):
         raise ValueError("batched_forward: inputs mix token ids and embeddings")
@@ -285,10 +262,12 @@ class Target:
         name: the model's name, reported to devices.
         max_context: the most tokens one row of a forward may hold: without a window, the
             most a session may hold (prompt + generated); under a window, ``l_cache``.
-        min_block_rows: a forward of 2..min_block_rows-1 new-token rows in all (batch ×
-            tokens) is padded to this many (pads are ignored and never cached). On this CPU
-            (1 thread, 1.5B) 1 / 2 / 3 / 4 / 8 / 32 rows took 290 / 595 / 870 / 510 / 625 /
-            1320 ms: PyTorch's matrix kernels for 2-3 rows are slower than for 4.
+        row_padding: the row count each forward of n new-token rows (batch × tokens) is
+            padded to (:class:`~edgefuse.cloud.rows.RowPadding`; pads are ignored and never
+            cached). An int m pads 2..m-1 rows to m (the fixed rule); the service passes a
+            table :func:`edgefuse.cloud.rows.calibrate` measured on its machine, since a CPU's
+            matrix kernels are not smooth in the rows (one machine: 2-3 rows slower than 4;
+            another: 4-8 rows twice as slow as 3, 16 cheaper than 8).
 
         max_draft: drafted tokens one VERIFY may carry (1..255); more is ERROR ``limit``.
         max_batch_tokens: token rows one forward pass may feed, padding included
@@ -311,15 +290,16 @@ class Target:
     Raises ``ValueError`` for out-of-range limits.
     """
 
-    def __init__(self, model, tok, name: str, max_context: int = 2048, min_block_rows: int = 4,
+    def __init__(self, model, tok, name: str, max_context: int = 2048,
+                 row_padding: RowPadding | int = 4,
                  *, max_draft: int = 16, max_batch_tokens: int = 8192, prefill_chunk: int = 0):
         self.model = model.eval()
         get_decoder = getattr(self.model, "get_decoder", None)
         self._body = get_decoder() if get_decoder is not None else None  # KV without the LM head
-        self._setup(tok, name, model.config, max_context, min_block_rows, max_draft, max_batch_tokens,
+        self._setup(tok, name, model.config, max_context, row_padding, max_draft, max_batch_tokens,
                     prefill_chunk)
 
-    def _setup(self, tok, name: str, config, max_context: int, min_block_rows: int, max_draft: int,
+    def _setup(self, tok, name: str, config, max_context: int, row_padding: RowPadding | int, max_draft: int,
                max_batch_tokens: int, prefill_chunk: int) -> None:
         """Everything but the model: names, limits (checked), counters."""
         if not 1 <= max_draft <= P.MAX_GAMMA:
@@ -336,7 +316,7 @@ class Target:
         self.n_layers = int(config.num_hidden_layers)
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.pad_id = int(pad or 0)
-        self.min_block_rows = int(min_block_rows)
+        self.padding = RowPadding.coerce(row_padding)
         self.max_draft = int(max_draft)
         self.max_batch_tokens = int(max_batch_tokens)
         self.prefill_chunk = int(prefill_chunk)
@@ -408,7 +388,7 @@ class Target:
         if left <= 0:
             return 0
         ids = sess.tokens[done:done + min(self.prefill_chunk or left, left)]
-        self._count_forward(_rows(len(ids), self.min_block_rows))
+        self._count_forward(self.padding.rows(len(ids)))
         self.prefill_chunks += 1
         past = [_kv(sess.cache, self.n_layers, done)] if done else [None]
         model, output = (self._body, "last_hidden_state") if self._body is not None else (self.model, "logits")
@@ -458,7 +438,7 @@ class Target:
     def _prefill(self, ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Fresh KV layers of ``ids`` (one row, positions from 0, no LM head when the model
         exposes its decoder body)."""
-        self._count_forward(_rows(len(ids), self.min_block_rows))
+        self._count_forward(self.padding.rows(len(ids)))
         if self._body is not None:
             _, kvs = batched_forward(self._body, [None], [0], [list(ids)], self.pad_id,
                                      output="last_hidden_state")
@@ -532,7 +512,7 @@ class Target:
             else:
                 ids, past = seq[w - 1:top], w - 1
         fresh = main != [] and valid < past
-        cost = ((past if fresh else 0) + (_fed(1, len(ids), self.min_block_rows) if main else 0)
+        cost = ((past if fresh else 0) + (self.padding.fed(1, len(ids)) if main else 0)
                 + sum(len(r) for r in extra))
         if cost > self.max_batch_tokens:
             self.limit_refusals += 1
@@ -576,7 +556,7 @@ class Target:
             logits, caches = batched_forward(self.model, [plans[b].layers for b in group],
                                              [plans[b].past for b in group],
                                              [plans[b].ids for b in group], self.pad_id,
-                                             self.min_block_rows)
+                                             self.padding)
             outs.update(zip(group, logits))
             kvs.update(zip(group, caches))
         extra = self._extra_rows([p.extra for p in plans])
@@ -598,9 +578,9 @@ class Target:
         """Split the main rows (plan indices ``main``, ``lens`` new ids each) into
         consecutive groups whose padded forward feeds at most ``max_batch_tokens`` token rows
         (each row alone fits: :meth:`_prepare` refused any that does not); counts them."""
-        groups = pack_rows(main, lens, self.min_block_rows, self.max_batch_tokens)
+        groups = pack_rows(main, lens, self.padding, self.max_batch_tokens)
         for g in groups:
-            self._count_forward(_fed(len(g), max(lens[main.index(b)] for b in g), self.min_block_rows))
+            self._count_forward(self.padding.fed(len(g), max(lens[main.index(b)] for b in g)))
         return groups
 
     def _extra_rows(self, per_plan: list[list[list[int]]]) -> list[torch.Tensor | None]:

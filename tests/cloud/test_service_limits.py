@@ -384,14 +384,16 @@ def test_limits_reach_the_service_process_and_the_config(tmp_path, tiny):
     _, _, fp = tiny
     limits = {"max_handshakes": 3, "max_connections": 5, "idle_timeout_s": 45.0, "handshake_timeout_s": 7.0,
               "max_frame_bytes": 4096, "max_pending": 3, "max_queue": 9, "max_draft": 5,
-              "max_batch_tokens": 2048, "prefill_chunk": 8}
+              "max_batch_tokens": 2048, "prefill_chunk": 8, "row_padding": "3"}
     assert set(limits) == set(LIMITS)
     proc, port = start_service_process(NAME, port=0, max_wait_ms=1.0, max_context=1024,
                                        log_path=tmp_path / "cloud.log", timeout_s=90, **limits)
     try:
         assert "max_draft" not in cloud_health("127.0.0.1", port)
         h = cloud_health("127.0.0.1", port, token=proc.health_token)
-        assert {k: h[k] for k in limits} == limits and h["pid"] == proc.pid
+        assert h.pop("row_padding") == {"source": "min 3", "pad_to": {"2": 3}, "costs_ms": {}}
+        assert {k: h[k] for k in limits if k != "row_padding"} == \
+            {k: v for k, v in limits.items() if k != "row_padding"} and h["pid"] == proc.pid
         with CloudLink.connect("127.0.0.1", port, **device_keys()) as link:
             link.open(PROMPT, fp)
             with pytest.raises(P.RemoteError) as err:  # the child's target got max_draft
@@ -404,4 +406,4 @@ def test_limits_reach_the_service_process_and_the_config(tmp_path, tiny):
     assert service_limits(compose("default").cloud.service) == {
         "max_handshakes": 32, "max_connections": 128, "idle_timeout_s": 300.0, "handshake_timeout_s": 10.0,
         "max_frame_bytes": 65536, "max_pending": 4, "max_queue": 256, "max_draft": 16,
-        "max_batch_tokens": 8192, "prefill_chunk": 64}
+        "max_batch_tokens": 8192, "prefill_chunk": 64, "row_padding": "auto"}

@@ -248,7 +248,7 @@ def test_batched_middle_equals_each_alone_and_does_not_leak(arch, layers, k, m, 
         _, (kv,) = S.middle_forward(mid, [None], [0], [torch.randn(p, D, generator=g)], [off])
         per.append(kv)
     rows = [torch.randn(n, D, generator=g) for n in news]
-    outs, kvs = S.middle_forward(mid, per, pasts, rows, offsets, min_rows)
+    outs, kvs = S.middle_forward(mid, per, pasts, rows, offsets, padding=min_rows)
     for b in range(3):
         (alone,), (kv,) = S.middle_forward(mid, [per[b]], [pasts[b]], [rows[b]], [offsets[b]])
         assert outs[b].shape == (news[b], D)
@@ -256,7 +256,7 @@ def test_batched_middle_equals_each_alone_and_does_not_leak(arch, layers, k, m, 
         assert all(x.shape[2] == pasts[b] + news[b] for pair in kvs[b] for x in pair)
         assert max(maxdiff(a, c) for (a, _), (c, _) in zip(kvs[b], kv)) <= 1e-5
     changed = [rows[0], torch.randn(3, D, generator=g), rows[2]]
-    outs2, _ = S.middle_forward(mid, per, pasts, changed, offsets, min_rows)
+    outs2, _ = S.middle_forward(mid, per, pasts, changed, offsets, padding=min_rows)
     assert torch.equal(outs2[0], outs[0]) and torch.equal(outs2[2], outs[2])
     assert maxdiff(outs2[1], outs[1]) > 1e-3
 
@@ -272,7 +272,7 @@ def test_offsets_are_absolute_positions():
     (wrong,), _ = S.middle_forward(parts.middle, [kv], [4], [x[4:]], [0])
     assert maxdiff(cont, once[4:]) <= 1e-5
     assert maxdiff(wrong, once[4:]) > 1e-4
-    (pad,), (kvp,) = S.middle_forward(parts.middle, [kv], [4], [x[4:]], [5], min_rows=4)
+    (pad,), (kvp,) = S.middle_forward(parts.middle, [kv], [4], [x[4:]], [5], padding=4)
     assert maxdiff(pad, cont) <= 1e-5 and kvp[0][0].shape[2] == 6  # pad rows never returned
     with pytest.raises(ValueError, match="cache 0 holds 4 positions of 1 layers; expected 3 of 1"):
         S.middle_forward(parts.middle, [kv], [3], [x[4:]])

@@ -189,6 +189,13 @@ def check_config(cfg) -> None:
                           "fall back to edge-only")
     if float(cloud.service.max_wait_ms) < 0:
         raise ConfigError(f"cloud.service.max_wait_ms must be >= 0, got {cloud.service.max_wait_ms}")
+    if cloud.service.get("row_padding") is not None:
+        from edgefuse.cloud.rows import check_row_padding
+
+        try:
+            check_row_padding(cloud.service.row_padding)
+        except ValueError as e:
+            raise ConfigError(f"cloud.service.{e}") from None
     if int(cloud.eval.gsm8k_n) < 0 or int(cloud.eval.dolly_per_category) < 0 or \
             int(cloud.eval.gsm8k_n) + int(cloud.eval.dolly_per_category) == 0:
         raise ConfigError("cloud.eval needs gsm8k_n > 0 or dolly_per_category > 0 (both >= 0)")

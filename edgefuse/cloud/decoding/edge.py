@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache
 
 from edgefuse.cloud.decoding.batcher import DraftBatcher
-from edgefuse.cloud.target import cache_from_layers
+from edgefuse.kvcache import cache_from_layers
 
 
 def crop(cache: DynamicCache, n: int) -> None:
