@@ -177,7 +177,7 @@ def calibrate(model, name: str, *, cache_dir: str | os.PathLike | None = None, c
     With ``cache_dir``, the table is read from ``cache_dir/rowcost/<name>-<key>.json`` when
     it was measured for the same model, machine, torch threads and settings
     (:func:`calibration_key`), else measured and written there atomically; an unreadable
-    file is measured again. On the CPU of ``bench_rows.json`` the 1.5B takes about 40 s
+    file is measured again. On the CPU of ``bench_rows.json`` the 1.5B takes about 70 s
     (seconds for the tiny models). On CUDA the table is not measured: no padding (a GPU's
     cost is close to flat in the rows; padding buys nothing)."""
     device = next(model.parameters()).device

@@ -53,8 +53,8 @@ def test_quick_run_rows_ratios_and_controls(mirror, tmp_path):
 
 
 def test_bench_rows_quick_times_every_row_count_and_refuses_a_bad_cut(tmp_path, capsys):
-    """``bench/bench_rows.py --quick``: a time per row count for the whole body and the
-    split's middle, each ratio its own time over the first; a cut the model cannot take is
+    """``bench/bench_rows.py --quick``: a time per row count for the whole model, its body
+    and the split's middle, each ratio its own time over the first; a cut the model cannot take is
     one line and exit 2."""
     spec = importlib.util.spec_from_file_location("bench_rows_under_test", ROOT / "bench" / "bench_rows.py")
     bench = importlib.util.module_from_spec(spec)
@@ -62,10 +62,17 @@ def test_bench_rows_quick_times_every_row_count_and_refuses_a_bad_cut(tmp_path, 
     out = tmp_path / "rows.json"
     assert bench.main(["--quick", "--rows", "1", "3", "4", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
-    for key in ("body", "middle"):
+    for key in ("model", "body", "middle"):
         ms = res[f"{key}_ms"]
         assert sorted(ms, key=int) == ["1", "3", "4"] and all(v > 0 for v in ms.values())
         assert res[f"{key}_ratio_to_first"] == {n: v / ms["1"] for n, v in ms.items()}
+    # the calibrated padding: each count to the cheapest measured count at or above it
+    ms = res["model_ms"]
+    for n in range(1, 5):
+        above = [m for m in (1, 3, 4) if m >= n]
+        assert res["padding"][str(n)] in above
+        assert ms[str(res["padding"][str(n)])] <= 1.05 * min(ms[str(m)] for m in above)
+    assert res["padded_model_ms"] == {n: ms[str(res["padding"][n])] for n in ms}
     capsys.readouterr()
     assert bench.main(["--quick", "--split", "2", "2", "--out", str(tmp_path / "bad.json")]) == 2
     err = capsys.readouterr().err.strip().splitlines()

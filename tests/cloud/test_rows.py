@@ -85,10 +85,14 @@ def test_a_padded_target_answers_as_an_unpadded_one_and_counts_the_pad_rows():
     prompts = [[5, 17, 33, 60, 91], [7, 8, 9], [40, 41, 42, 43]]
     drafts = [[12, 13, 14], [20, 21], [30]]
     got = {}
+    shapes: list = []  # the rows each real forward was fed (batch x new ids)
+    hook = model.register_forward_pre_hook(
+        lambda mod, args, kw: shapes.append(kw["input_ids"].numel()), with_kwargs=True)
     for name, padding in (("padded", pad), ("plain", RowPadding.none())):
         t = Target(model, tok, "tiny-qwen2", max_context=256, row_padding=padding)
         sessions = [t.open(P.Open(p, fp, max_new=20)) for p in prompts]
         t.forward_tokens, f0 = 0, t.forwards
+        shapes.clear()
         solo = t.step([(sessions[0], P.Verify(1, len(prompts[0]), drafts[0]))])  # 4 rows
         fed_solo = t.forward_tokens
         batch = t.step([(s, P.Verify(2, len(p) + 1 + r.accepted, [50, 51]))
@@ -96,6 +100,8 @@ def test_a_padded_target_answers_as_an_unpadded_one_and_counts_the_pad_rows():
                                            t.step([(s, P.Verify(1, len(p), d))
                                                    for s, p, d in zip(sessions[1:], prompts[1:], drafts[1:])]))])
         got[name] = (solo, batch, [s.tokens for s in sessions], fed_solo, t.forward_tokens, t.forwards - f0)
+        assert sum(shapes) == t.forward_tokens, name  # the count is what the model really ran
+    hook.remove()
     padded, plain = got["padded"], got["plain"]
     assert padded[:3] == plain[:3]
     assert all(isinstance(r, P.Verified) for r in padded[0] + padded[1])
