@@ -26,8 +26,9 @@ every prompt, 8-device aggregate >= 3x one device, downlink <= 1 KB per token.
     python bench/bench_cloud.py --quick         # 1 prompt, 12 tokens, devices 1 and 2
 
 Every process runs torch with one thread (``--threads``): a device and the cloud are
-emulated as one core each of this 2-core machine (the device processes of the sweep share
-one). Writes ``bench/results/bench_cloud.json`` (``modes`` rows as in the main job's
+emulated as one core each of this 2-core machine, pinned (the cloud's process to the first
+core, every device process to the second, which the sweep's devices share; ``--no-pin``
+leaves placement to the OS). Writes ``bench/results/bench_cloud.json`` (``modes`` rows as in the main job's
 ``decoding``) and a PNG beside it.
 """
 
@@ -98,6 +99,7 @@ def parse_args(argv=None):
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--max-wait-ms", type=float, default=100.0)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--no-pin", action="store_true", help="do not pin the cloud and the devices to cores")
     p.add_argument("--mirror", default=None,
                    help="data mirror (default: $EDGEFUSE_DATA_MIRROR, else ../shared/data, else the hub)")
     p.add_argument("--parts", nargs="+", default=["modes", "devices"], choices=["modes", "devices"],
@@ -223,6 +225,23 @@ def plot(result: dict, path: Path) -> Path:
     return _save_png(fig, path)
 
 
+def pin(pid: int, cpus: set[int]) -> bool:
+    """Pin every thread of process ``pid`` (0: this one) to ``cpus``; False where the OS
+    cannot (no ``sched_setaffinity``) or the machine has fewer cores."""
+    if not hasattr(os, "sched_setaffinity") or max(cpus) >= (os.cpu_count() or 1):
+        return False
+    pid = pid or os.getpid()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except (ProcessLookupError, PermissionError):
+            pass  # a thread that ended meanwhile
+    return True
+
+
+CLOUD_CPUS, DEVICE_CPUS = {0}, {1}
+
+
 def _device(name: str, cfg, spec: DrafterSpec, target: str):
     """(model, tok, head, fingerprint, cross) of device model ``name`` against ``target``."""
     model, tok = load_model(name)
@@ -237,6 +256,8 @@ def worker(path: str) -> int:
     """One device process of the sweep: load, say ready, wait for go, decode, write records."""
     job = json.loads(Path(path).read_text())
     torch.set_num_threads(int(job["threads"]))
+    if job.get("pin"):
+        pin(0, DEVICE_CPUS)
     cfg = compose("default")
     resolve_paths(cfg, data_mirror=job["mirror"])
     spec = DrafterSpec(job["drafter"], job["draft_head"])
@@ -268,7 +289,7 @@ def process_sweep(args, port: int, d: int, mode: str, qs: list, tmp: Path) -> tu
                "mode": mode, "queries": [q.to_dict() for q in qs[i::d]], "threads": args.threads,
                "mirror": args.mirror, "drafter": args.drafter, "draft_head": args.draft_head,
                "max_new_tokens": args.max_new_tokens, "gamma": args.gamma, "gamma0": not args.no_gamma0,
-               "rtt": max(args.rtts), "bandwidth": args.bandwidth_mbps,
+               "rtt": max(args.rtts), "bandwidth": args.bandwidth_mbps, "pin": not args.no_pin,
                "ready": str(tmp / f"ready-{mode}-{d}-{i}"), "go": str(go), "out": str(tmp / f"out-{mode}-{d}-{i}.json")}
         for k in ("ready", "out"):
             Path(job[k]).unlink(missing_ok=True)
@@ -325,6 +346,7 @@ def main(argv=None) -> int:
     proc, port = start_service_process(args.target_model, max_batch=args.max_batch,
                                        max_wait_ms=args.max_wait_ms, threads=args.threads,
                                        log_path=log_path, timeout_s=900)
+    pinned = not args.no_pin and pin(proc.pid, CLOUD_CPUS) and pin(0, DEVICE_CPUS)
     rows, records_all = _kept(out, args.parts)
     dcfg = DecodeConfig(max_new_tokens=args.max_new_tokens, gamma=args.gamma, timeout_s=600,
                         gamma0_fallback=not args.no_gamma0)
@@ -348,6 +370,7 @@ def main(argv=None) -> int:
             "gamma": args.gamma, "gamma0_fallback": not args.no_gamma0, "drafter": spec.name,
             "draft_head": spec.head_size, "bandwidth_mbps": args.bandwidth_mbps,
             "max_batch": args.max_batch, "max_wait_ms": args.max_wait_ms, "scale_model": args.scale_model,
+            "pinned": {"cloud": sorted(CLOUD_CPUS), "devices": sorted(DEVICE_CPUS)} if pinned else None,
             "modes": rows, "records": records_all,
             "wall_seconds": time.perf_counter() - t_start,
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),

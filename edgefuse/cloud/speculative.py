@@ -126,6 +126,36 @@ def expected_tokens_per_block(alpha: float, gamma: int) -> float:
     return (1 - alpha ** (gamma + 1)) / (1 - alpha)
 
 
+def pipelined_rate(alpha: float, hit: float, restart_gamma: int, restart_ms: float,
+                   ahead_gamma: int, ahead_ms: float) -> float:
+    """Long-run tokens per ms of ``spec_async`` when every restart drafts ``restart_gamma``
+    tokens before it is sent.
+
+    ``spec_async`` sends two kinds of block: a *restart* (after a rejection, or the first
+    block: the device drafts ``restart_gamma`` tokens on the critical path, then the round
+    trip; ``restart_ms`` is both, in ms) and a *pre-drafted* block (``ahead_gamma`` tokens
+    drafted in the previous round trip's shadow on a guess of the cloud's token, sent the
+    moment the guess proves right; ``ahead_ms`` its round trip). A block of g drafts
+    is followed by a pre-drafted one with probability α^g · ``hit`` (all accepted, the guess
+    right; ``hit`` the guesses' hit rate), else by a restart. With that two-state renewal
+    chain (stationary shares π_R, π_A) the rate is
+    (π_R·E(α, γ_R) + π_A·E(α, γ_A)) / (π_R·T_R + π_A·T_A), E from
+    :func:`expected_tokens_per_block`. A restart of γ = 0 drafts nothing on the critical
+    path: the cloud's step goes out at once and drafting moves into its shadow, so the
+    loop never waits for a draft that is likely to be rejected.
+
+    Raises ``ValueError`` for a cost that is not positive."""
+    if restart_ms <= 0 or ahead_ms <= 0:
+        raise ValueError(f"block costs must be > 0 ms, got {restart_ms}, {ahead_ms}")
+    a, h = min(max(alpha, 0.0), 0.99), min(max(hit, 0.0), 0.99)
+    p_r = a ** restart_gamma * h  # a restart is followed by a pre-drafted block
+    p_a = a ** ahead_gamma * h  # and a pre-drafted block by another
+    pi_a = p_r / (1.0 - p_a + p_r)
+    pi_r = 1.0 - pi_a
+    tokens = pi_r * expected_tokens_per_block(a, restart_gamma) + pi_a * expected_tokens_per_block(a, ahead_gamma)
+    return tokens / (pi_r * restart_ms + pi_a * ahead_ms)
+
+
 @dataclass
 class GammaController:
     """Chooses γ per block from the observed acceptance rate and round-trip time.
@@ -162,12 +192,56 @@ class GammaController:
         if not 0 <= self.gamma_min <= self.gamma_max:
             raise ValueError(f"need 0 <= gamma_min <= gamma_max, got {self.gamma_min}, {self.gamma_max}")
         self.alpha = float(self.alpha0)
+        self.hit = float(self.alpha0)  # spec_async's guesses of the cloud's token: hit rate
         self._since_draft = 0  # blocks in a row chosen at γ = 0
 
     def update(self, accepted: int, drafted: int) -> None:
         """Record one verified block (``accepted`` of ``drafted`` tokens kept)."""
         if drafted > 0:
             self.alpha = (1 - self.ema) * self.alpha + self.ema * (accepted / drafted)
+
+    def update_guess(self, hit: bool) -> None:
+        """Record one tested guess of ``spec_async`` (the block was all accepted)."""
+        self.hit = (1 - self.ema) * self.hit + self.ema * float(hit)
+
+    def _remote(self, g: int, rtt_ms: float, verify_ms: float, measured: dict[int, float] | None) -> float:
+        """A block of ``g`` drafts' round trip (ms): measured, else the smooth model."""
+        remote = rtt_ms + verify_ms * (1 + self.verify_growth * g)
+        if measured and g in measured:
+            return measured[g]
+        if measured and g == 0:  # no more rows than any measured block
+            return min(remote, min(measured.values()))
+        return remote
+
+    def choose_restart(self, draft_ms: float, rtt_ms: float, verify_ms: float, ahead: int,
+                       measured: dict[int, float] | None = None,
+                       restart_ms: dict[int, float] | None = None, settled=None) -> int:
+        """``spec_async``'s γ for a restart (the first block, or the one after a rejection):
+        the γ with the highest :func:`pipelined_rate`, γ = 0 included with ``zero``. Times in
+        ms. ``ahead``: the look-ahead length of pre-drafted blocks; ``measured``: round trips
+        per γ (as :meth:`choose`); ``restart_ms``: γ -> measured drafting time on the
+        critical path before a restart's send (re-alignment included; unmeasured:
+        γ · ``draft_ms``). A low α or a slow draft gives γ = 0: the cloud's step goes out at
+        once and drafts ride along only when the shadow produced a right guess, so a poor
+        draft costs the cloud's extra rows at most, never a wait. A best γ ≥ 1 next to an
+        unsettled one returns that first, as :meth:`choose` does."""
+        if self.fixed is not None:
+            return int(self.fixed)
+        alpha, restart_ms = min(max(self.alpha, 0.0), 0.99), restart_ms or {}
+        ahead_ms = self._remote(ahead, rtt_ms, verify_ms, measured)
+        best, best_rate = self.gamma_min, -math.inf
+        for g in range(0 if self.zero else self.gamma_min, self.gamma_max + 1):
+            serial = restart_ms.get(g, g * draft_ms) if g else 0.0
+            cost = max(serial + self._remote(g, rtt_ms, verify_ms, measured), 1e-9)
+            rate = pipelined_rate(alpha, self.hit, g, cost, ahead, max(ahead_ms, 1e-9))
+            if rate > best_rate + 1e-12:
+                best, best_rate = g, rate
+        if best >= 1 and measured is not None:
+            known = measured if settled is None else settled
+            for g in (best - 1, best + 1):
+                if max(self.gamma_min, 1) <= g <= self.gamma_max and g not in known:
+                    return g
+        return best
 
     def verify_base_ms(self, measured_ms: float, gamma: int) -> float:
         """The one-token verify time implied by a block of ``gamma`` that took ``measured_ms``."""
@@ -196,11 +270,7 @@ class GammaController:
         best, best_rate = self.gamma_min, -math.inf
         drafting, drafting_rate = max(self.gamma_min, 1), -math.inf  # the best γ >= 1 (a probe's)
         for g in range(0 if self.zero else self.gamma_min, self.gamma_max + 1):
-            remote = rtt_ms + verify_ms * (1 + self.verify_growth * g)
-            if measured and g in measured:
-                remote = measured[g]
-            elif measured and g == 0:  # no more rows than any measured block
-                remote = min(remote, min(measured.values()))
+            remote = self._remote(g, rtt_ms, verify_ms, measured)
             cost = max(g * draft_ms, remote) if overlap else g * draft_ms + remote
             rate = expected_tokens_per_block(alpha, g) / max(cost, 1e-9)
             if achieved and g in achieved:

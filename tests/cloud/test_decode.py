@@ -19,8 +19,8 @@ from edgefuse.cloud.decoding import (DRAFTERS, MODES, DecodeConfig, DecodeError,
                                      DraftHead, DrafterSpec, EdgeLM, FullHeadDrafter, PrunedHeadDrafter,
                                      ShallowDrafter, check_config, drafter_factory, drafter_spec)
 from edgefuse.cloud.fusion import FusionConfig, cloud_logprobs, fuse
-from edgefuse.cloud.speculative import (GammaController, draft_q, expected_tokens_per_block, sparse_q,
-                                        verify_greedy, verify_sampled)
+from edgefuse.cloud.speculative import (GammaController, draft_q, expected_tokens_per_block, pipelined_rate,
+                                        sparse_q, verify_greedy, verify_sampled)
 from edgefuse.cloud.target import Target, tokenizer_fingerprint
 from edgefuse.config import ConfigError, compose
 from edgefuse.models import tiny_model
@@ -368,6 +368,75 @@ def test_gamma_controller_falls_back_to_remote_steps_and_probes_its_way_back():
     assert GammaController(1, 8, zero=True, alpha0=0.9).choose(draft_ms=5, rtt_ms=80, verify_ms=100) > 1
 
 
+def test_pipelined_rate_by_hand():
+    """The two-state chain of ``spec_async``'s blocks, by hand: α = h = 0.5, restarts of
+    γ = 0 (500 ms) and pre-drafted blocks of γ = 2 (550 ms). p_R = 0.5, p_A = 0.125,
+    π_A = 0.5 / 1.375 = 4/11, π_R = 7/11; tokens (7/11)·1 + (4/11)·1.75 = 14/11; time
+    (7/11)·500 + (4/11)·550 = 5700/11 ms; 14/5700 tokens per ms."""
+    assert pipelined_rate(0.5, 0.5, 0, 500.0, 2, 550.0) == pytest.approx(14 / 5700)
+    # guesses never right: every block is a restart; with γ = 0 that is the cloud alone
+    assert pipelined_rate(0.9, 0.0, 0, 500.0, 4, 900.0) == pytest.approx(1 / 500)
+    assert pipelined_rate(0.5, 0.0, 2, 700.0, 2, 550.0) == pytest.approx(1.75 / 700)
+    with pytest.raises(ValueError):
+        pipelined_rate(0.5, 0.5, 0, 0.0, 2, 550.0)
+
+
+def test_restarts_draft_on_the_critical_path_only_when_it_pays():
+    """``choose_restart``: a poor draft (α 0.1) restarts with γ = 0, so the cloud's step goes
+    out at once and drafting moves into the shadow; a good, cheap draft drafts first; a
+    slow one (measured 800 ms per restart) does not. Without ``zero`` γ never drops below
+    gamma_min; ``fixed`` pins it."""
+    rows = {1: 530.0, 2: 578.0, 3: 568.0, 4: 980.0}  # one core's step costs (bench_rows), RTT 80 ms
+    poor = GammaController(1, 4, zero=True, alpha0=0.1)
+    assert poor.choose_restart(60, 80, 450, ahead=2, measured=rows) == 0
+    good = GammaController(1, 4, zero=True, alpha0=0.85)
+    g = good.choose_restart(60, 80, 450, ahead=2, measured=rows, settled=set(rows))
+    assert g in (2, 3)
+    slow = {g: 800.0 for g in rows}  # measured: re-alignment and drafting before each send
+    assert good.choose_restart(60, 80, 450, ahead=2, measured=rows, settled=set(rows), restart_ms=slow) == 0
+    assert GammaController(1, 4, zero=False, alpha0=0.1).choose_restart(60, 80, 450, 2, rows) == 1
+    assert GammaController(1, 4, fixed=3).choose_restart(60, 80, 450, 2, rows) == 3
+    # the guesses' hit rate moves with what they meet
+    c = GammaController(alpha0=0.5)
+    for _ in range(10):
+        c.update_guess(False)
+    assert c.hit < 0.05
+
+
+def test_the_device_prefills_and_drafts_its_first_block_while_the_cloud_prefills(pair):
+    """The OPEN goes out first; the device's own prefill and first draft run before its
+    answer is read, so the first block's drafting is off the critical path."""
+    draft, target, tok = pair
+    T = Target(target, tok, "tiny-target")
+    events = []
+
+    class Recording(DirectLink):
+        def send(self, msg):
+            events.append(type(msg).__name__)
+            super().send(msg)
+
+        def recv(self, timeout_s=None):
+            msg = super().recv(timeout_s)
+            events.append("read " + type(msg).__name__)
+            return msg
+
+    class CountingDrafter(FullHeadDrafter):
+        def propose(self, gamma, temperature=0.0, kq=16, gen=None):
+            events.append(f"propose {gamma}")
+            return super().propose(gamma, temperature, kq, gen)
+
+    edge = EdgeLM(draft, tok)
+    edge.eos_ids = set()
+    for mode in ("spec_sync", "spec_async"):
+        events.clear()
+        dec = Decoder(edge, Recording(T), T.fingerprint, rtt_ms=80.0, drafter=CountingDrafter(edge))
+        res = dec.generate(mode, PROMPTS[0], DecodeConfig(max_new_tokens=8, gamma_max=4, gamma0_fallback=False))
+        assert res.tokens == target_greedy(target, PROMPTS[0], 8)
+        first = next(i for i, e in enumerate(events) if e.startswith("propose"))
+        assert events.index("Open") < first < events.index("read Opened"), (mode, events[:6])
+        assert events[first] != "propose 0"
+
+
 def test_a_useless_draft_falls_back_to_remote_steps_and_stays_lossless(pair):
     """An unrelated random draft (almost nothing accepted): the measured cost per token of
     its blocks exceeds that of γ = 0, so most blocks send no draft (probes aside) and the
@@ -384,6 +453,14 @@ def test_a_useless_draft_falls_back_to_remote_steps_and_stays_lossless(pair):
     assert on.tokens == off.tokens == target_greedy(target, PROMPTS[0], n)
     assert off.drafted >= off.blocks  # every block drafted at least one token
     assert on.drafted < on.blocks / 2, (on.drafted, on.blocks)
+    # spec_async: restarts go out with γ = 0; drafts ride only on a right guess, which a
+    # random draft rarely makes, so few blocks carry any
+    dec = Decoder(edge, DirectLink(T), T.fingerprint, rtt_ms=80.0)
+    for _ in range(2):  # the second generation starts from the first one's acceptance
+        res = dec.generate("spec_async", PROMPTS[0], DecodeConfig(max_new_tokens=n, gamma_max=4))
+        assert res.tokens == target_greedy(target, PROMPTS[0], n)
+    assert res.drafted < res.blocks / 2, (res.drafted, res.blocks)
+    assert dec._prior["spec_async"] < 0.4
 
 
 def test_draft_batcher_runs_simulated_devices_together_with_unchanged_outputs(pair):

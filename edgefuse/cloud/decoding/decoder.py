@@ -13,6 +13,13 @@ Modes (``MODES``):
   the guess right (all of block k accepted and the token equals the guess) block k+1 is
   sent at once, otherwise it is discarded and the device rolls back. Drafting overlaps the
   RTT and the cloud's verify, and the block length follows what fits in one round trip.
+  After a rejection the device drafts before sending only where that pays
+  (:meth:`GammaController.choose_restart`); else the cloud's step goes out at once (γ = 0)
+  and the drafts for the block after it are made in its shadow.
+
+Every link mode sends the OPEN first and prefills the device (and drafts the first block)
+while the cloud prefills; each generation's controller starts from the acceptance rate the
+device's earlier generations of that mode achieved.
 - ``fusion_static`` / ``fusion_adaptive``: per token the device fuses its log-probabilities
   with the cloud's top-k (:mod:`edgefuse.cloud.fusion`); a per-token deadline makes the device emit
   its own token when the cloud is late (the cloud stays in sync because every request
@@ -136,6 +143,11 @@ class Decoder:
         # the γ controller's cost table (round_trip_ms), kept across generations
         self._samples: dict[str, dict[int, collections.deque]] = {}
         self._mode_samples: dict[int, collections.deque] = {}
+        # per mode, γ -> the last drafting times (ms) on a restart's critical path (spec_async)
+        self._restarts: dict[str, dict[int, collections.deque]] = {}
+        self._mode_restarts: dict[int, collections.deque] = {}
+        # per mode, the acceptance rate a generation starts from: the device's own record
+        self._prior: dict[str, float] = {}
         self._req = 0
         self._held = 0  # mirror: committed tokens the cloud holds after the last request
         # this generation's γ -> the last blocks' (committed tokens, ms from the previous answer)
@@ -176,6 +188,8 @@ class Decoder:
             prompt = list(cloud_prompt)
         table = mode + ("/sync" if mode == "split_spec" and not cfg.split_pipeline else "")
         self._mode_samples = self._samples.setdefault(table, {})
+        self._mode_restarts = self._restarts.setdefault(table, {})
+        pipelined = mode == "spec_async" or (mode == "split_spec" and cfg.split_pipeline)
         gen = torch.Generator().manual_seed(cfg.seed)
         t0 = time.perf_counter()
         c0 = self._counters()
@@ -183,16 +197,28 @@ class Decoder:
         drafter = self.drafter if mode in SPEC_MODES else FullHeadDrafter(self.edge)
         if cross is not None:  # the loop sees the cloud's ids; the device follows on bytes
             drafter = CrossDrafter(drafter, cross, self._device_prompt)
-        drafter.start(prompt)
         res.drafter = drafter.name if mode in SPEC_MODES else None
+        ctl = GammaController(cfg.gamma_min, cfg.gamma_max,
+                              fixed=0 if mode in ("cloud", "split") else cfg.gamma,
+                              zero=cfg.gamma0_fallback, alpha0=self._prior.get(table, 0.7))
+        first: list[Draft] = []  # the first block, drafted while the cloud prefills
+
+        def prefill_on_device():
+            drafter.start(prompt)
+            if mode in ("spec_sync", "spec_async"):
+                g = self._restart_gamma(ctl) if pipelined else self._choose(ctl)
+                first.append(self._draft(drafter, min(g, max(cfg.max_new_tokens - 1, 0)), cfg, gen))
+
+        if mode == "edge" or mode in SPLIT_MODES:
+            drafter.start(prompt)
         if mode != "edge":
             try:
                 if mode in SPLIT_MODES:
                     self._session = self.split.session(self.link, cfg.auth, cfg.timeout_s, cfg.seed)
                     res.split = self.split.settings.label()
                     self._session.open(prompt)
-                else:
-                    self._open(prompt, cfg)
+                else:  # the device prefills (and drafts) while the cloud does
+                    self._open(prompt, cfg, meanwhile=prefill_on_device)
             except BaseException as exc:
                 self._session = None  # a split that did not open serves no later mode
                 if not isinstance(exc, (ConnectionError, OSError)):
@@ -216,15 +242,17 @@ class Decoder:
             if mode == "edge":
                 self._edge_only(cfg, gen, res)
             elif mode in ("cloud", "spec_sync", "split") or (mode == "split_spec" and not cfg.split_pipeline):
-                self._speculative(prompt, cfg, gen, res, drafter, gamma0=mode in ("cloud", "split"))
-            elif mode in ("spec_async", "split_spec"):
-                self._speculative_async(prompt, cfg, gen, res, drafter)
+                self._speculative(prompt, cfg, gen, res, drafter, ctl, first[0] if first else None)
+            elif pipelined:
+                self._speculative_async(prompt, cfg, gen, res, drafter, ctl, first[0] if first else None)
             elif cross is not None:
                 self._fusion_cross(prompt, cfg, self._fusion_config(mode, cfg), gen, res)
             else:
                 self._fusion(prompt, cfg, self._fusion_config(mode, cfg), gen, res)
         finally:
             res.decode_s = time.perf_counter() - t1
+            if res.drafted:  # the next generation starts from the device's record, not a guess
+                self._prior[table] = 0.5 * self._prior.get(table, ctl.alpha0) + 0.5 * res.accepted / res.drafted
             if mode != "edge" and res.fallback is None:
                 self.link.send(P.Close())  # frees the cloud's cache; the connection stays
             self._session = None
@@ -241,16 +269,20 @@ class Decoder:
             fcfg = FusionConfig(**{**asdict(fcfg), "adaptive": mode == "fusion_adaptive"})
         return fcfg
 
-    def _open(self, prompt: list[int], cfg: DecodeConfig) -> None:
+    def _open(self, prompt: list[int], cfg: DecodeConfig, meanwhile=None) -> None:
         """Start a session on the link, sending only the prompt ids the cloud may keep
         (``cfg.auth.held``; the others count as ``offset``); answers to the previous session
-        still in flight (a late fusion top-k) are skipped. Raises ``RemoteError`` if the
-        cloud refuses."""
+        still in flight (a late fusion top-k) are skipped. ``meanwhile()`` runs once the
+        OPEN is sent, before its answer is awaited (the device's own prefill and first
+        draft, overlapping the cloud's prefill). Raises ``RemoteError`` if the cloud
+        refuses."""
         keep = cfg.auth.held(len(prompt))
         self.link.send(P.Open(list(prompt[len(prompt) - keep:]), self.fingerprint, cfg.temperature,
                               cfg.top_k, cfg.seed, cfg.max_new_tokens + cfg.gamma_max + 1,
                               auth=cfg.auth, offset=len(prompt) - keep))
         self._held = keep
+        if meanwhile is not None:
+            meanwhile()
         deadline = time.perf_counter() + cfg.timeout_s
         while True:
             msg = self.link.recv(timeout_s=max(deadline - time.perf_counter(), 0.0))
@@ -364,14 +396,18 @@ class Decoder:
         res.tokens[:] = kept
         return done, ahead
 
-    def _speculative(self, prompt, cfg, gen, res, drafter: Drafter, gamma0: bool) -> None:
-        ctl = GammaController(cfg.gamma_min, cfg.gamma_max, fixed=0 if gamma0 else cfg.gamma,
-                              zero=cfg.gamma0_fallback)
+    def _speculative(self, prompt, cfg, gen, res, drafter: Drafter, ctl: GammaController,
+                     first: Draft | None = None) -> None:
+        """``cloud``, ``split`` (``ctl`` fixed at γ = 0), ``spec_sync`` and ``split_spec``
+        unpipelined: draft a block, verify it, commit; ``first``: the first block, if drafted."""
         committed = list(prompt)
         while True:
             left = cfg.max_new_tokens - len(res.tokens)
-            g = min(self._choose(ctl), max(left - 1, 0))
-            draft = self._draft(drafter, g, cfg, gen)
+            if first is not None:
+                draft, first = first, None
+            else:
+                g = min(self._choose(ctl), max(left - 1, 0))
+                draft = self._draft(drafter, g, cfg, gen)
             t0 = time.perf_counter()
             try:
                 n, token = self._verify(committed, draft, cfg)
@@ -406,6 +442,33 @@ class Decoder:
         return ctl.choose(self.draft_ms, self.rtt_ms, self.verify_ms, overlap=overlap,
                           measured=_medians(self._mode_samples), settled=settled, achieved=achieved,
                           probe=probe)
+
+    def _ahead(self, ctl: GammaController) -> int:
+        """``spec_async``'s look-ahead bound: the γ that best fills a round trip when drafting
+        overlaps it, at least 1 (drafting in the shadow costs no wait)."""
+        return max(self._choose(ctl, overlap=True, probe=False), 1)
+
+    def _restart_gamma(self, ctl: GammaController) -> int:
+        """The γ of a ``spec_async`` restart (:meth:`GammaController.choose_restart`) from this
+        mode's measured round trips and restart drafting times."""
+        settled = {g for g, d in self._mode_samples.items() if len(d) == ROUND_TRIP_SAMPLES}
+        return ctl.choose_restart(self.draft_ms, self.rtt_ms, self.verify_ms, self._ahead(ctl),
+                                  measured=_medians(self._mode_samples),
+                                  restart_ms=_medians(self._mode_restarts), settled=settled)
+
+    def _restart(self, drafter: Drafter, ctl: GammaController, cfg, gen, left: int,
+                 rollback: int | None = None) -> Draft:
+        """A restart's block, drafted on the critical path after rolling ``drafter`` back to
+        ``rollback`` tokens (None: no rollback); keeps that time (ms) per γ."""
+        t0 = time.perf_counter()
+        if rollback is not None:
+            drafter.rollback(rollback)
+        g = min(self._restart_gamma(ctl), max(left - 1, 0))
+        draft = self._draft(drafter, g, cfg, gen)
+        if draft.ids:
+            self._mode_restarts.setdefault(len(draft.ids), collections.deque(maxlen=ROUND_TRIP_SAMPLES)).append(
+                1000 * (time.perf_counter() - t0))
+        return draft
 
     def _count_block(self, gamma: int, tokens: int) -> None:
         """Keep what a block of ``gamma`` drafts achieved: ``tokens`` committed in the time
@@ -450,16 +513,17 @@ class Decoder:
                                   f"drafts with token {reply.token} (vocabulary {vocab}): a lying cloud")
         return reply.accepted, reply.token
 
-    def _speculative_async(self, prompt, cfg, gen, res, drafter: Drafter) -> None:
+    def _speculative_async(self, prompt, cfg, gen, res, drafter: Drafter, ctl: GammaController,
+                           first: Draft | None = None) -> None:
         """``spec_async``, and ``split_spec`` pipelined: while block k is in flight the device
         guesses the target's next token, drafts block k+1 on top of it and (split) runs the
-        front over it; a right guess sends block k+1 at once."""
-        ctl = GammaController(cfg.gamma_min, cfg.gamma_max, fixed=cfg.gamma, zero=cfg.gamma0_fallback)
+        front over it; a right guess sends block k+1 at once. A restart (the first block,
+        or after a rejection) drafts on the critical path only what
+        :meth:`GammaController.choose_restart` finds pays: often γ = 0, drafting in the
+        round trip's shadow instead. ``first``: the first block, if drafted."""
         committed = list(prompt)
         link, split = self.link, self._session
-        # the first block: nothing to overlap with yet
-        g = min(self._choose(ctl), max(cfg.max_new_tokens - 1, 0))
-        draft = self._draft(drafter, g, cfg, gen)
+        draft = first if first is not None else self._restart(drafter, ctl, cfg, gen, cfg.max_new_tokens)
         try:
             while True:
                 pending = self._send_block(committed, draft, cfg)
@@ -469,7 +533,7 @@ class Decoder:
                 left = cfg.max_new_tokens - len(res.tokens) - len(draft.ids)
                 drafting = left > 0  # until the drafter has nothing more to propose
                 # look ahead at most the γ that best fills a round trip when drafting overlaps it
-                gmax = self._choose(ctl, overlap=True, probe=False)
+                gmax = self._ahead(ctl)
                 while reply is None:
                     if drafting and guess is None:
                         d = self._draft(drafter, 1, cfg, gen)
@@ -489,6 +553,8 @@ class Decoder:
                 self._time_round_trip(1000 * (time.perf_counter() - sent), ctl, len(draft.ids))
                 ctl.update(n, len(draft.ids))
                 self._count_block(len(draft.ids), n + 1)
+                if n == len(draft.ids) and guess is not None:
+                    ctl.update_guess(token == guess)
                 hit = n == len(draft.ids) and guess is not None and token == guess
                 done, _ = self._commit(drafter, res, committed, draft, n, token, cfg)
                 if done:
@@ -497,11 +563,9 @@ class Decoder:
                     # the guess was right: the drafter already holds committed + the look-ahead
                     draft = ahead
                 else:
-                    # rejected (or nothing drafted ahead): discard the look-ahead, draft afresh
-                    drafter.rollback(len(committed))
-                    left = cfg.max_new_tokens - len(res.tokens)
-                    g = min(self._choose(ctl), max(left - 1, 0))
-                    draft = self._draft(drafter, g, cfg, gen)
+                    # rejected (or nothing drafted ahead): discard the look-ahead, restart
+                    draft = self._restart(drafter, ctl, cfg, gen, cfg.max_new_tokens - len(res.tokens),
+                                          rollback=len(committed))
         except (ConnectionError, TimeoutError, OSError, P.RemoteError) as exc:
             return self._fallback(res, exc, cfg, gen, committed)
 
