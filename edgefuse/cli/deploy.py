@@ -39,6 +39,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from edgefuse.io import atomic_write_bytes
+from edgefuse.transport.identity import MAX_DEVICES
 
 CA_CERT, CA_KEY = "ca.pem", "ca.key"
 SERVER_CERT, SERVER_KEY = "server.pem", "server.key"
@@ -46,7 +47,7 @@ NODE_KEY, NODE_PUB = "node.key", "node.pub"
 CA_DAYS = 3650
 SERVER_DAYS = 397  # the longest validity public TLS clients accept for a leaf
 MAX_HOSTS = 64
-MAX_NODES = 4096
+MAX_NODES = MAX_DEVICES  # SuperNode keys: one per device
 MAX_KEY_FILE_BYTES = 1 << 16
 DEFAULT_HOSTS = ("localhost", "127.0.0.1", "::1")
 _LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")

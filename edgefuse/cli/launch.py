@@ -202,6 +202,25 @@ def _toml_str(s: str) -> str:
     return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+def discard_unused_run_dir(out: Path) -> bool:
+    """Remove the run folder ``out`` if it holds nothing but Hydra's ``.hydra`` record: a
+    launch that stopped before running leaves no empty folder behind. A folder with anything
+    else in it (a user's files, a checkpoint a restart resumes from, partial results) is
+    kept whole. Returns whether it was removed."""
+    try:
+        entries = list(out.iterdir())
+    except OSError:
+        return False
+    if any(e.name != ".hydra" for e in entries):
+        return False
+    shutil.rmtree(out / ".hydra", ignore_errors=True)
+    try:
+        out.rmdir()
+    except OSError:
+        return False
+    return True
+
+
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
 def hydra_main(cfg: DictConfig) -> None:
     """One Hydra job = one federated run, in the job's own output folder."""
@@ -230,8 +249,7 @@ def hydra_main(cfg: DictConfig) -> None:
         print(f"[edgefuse] stopped; partial results in {out}", file=sys.stderr, flush=True)
         sys.exit(130)
     except (ConfigError, ModelSpecError, ModelFetchError, FileNotFoundError, ValueError, RuntimeError) as e:
-        if not (out / "results.json").exists():  # nothing ran: leave no empty folder behind
-            shutil.rmtree(out, ignore_errors=True)
+        discard_unused_run_dir(out)  # nothing ran: leave no empty folder behind
         print(f"edgefuse: error: {one_line(e)}", file=sys.stderr, flush=True)
         sys.exit(2)
     print(f"[edgefuse] done in {(time.monotonic() - t0) / 60:.1f} min: {out}", flush=True)

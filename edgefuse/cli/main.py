@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -41,6 +42,20 @@ def _positive(text: str) -> int:
     except ConfigError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return int(text)
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"the value must be a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"the value must be a finite number of seconds > 0, got {text!r}")
+    return value
+
+
+LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 
 
 def _models(argv: list[str]) -> int:
@@ -187,7 +202,7 @@ def _cloud(argv: list[str]) -> int:
     s.add_argument("--max-sessions", type=int, default=64,
                    help="sessions open at once; more get ERROR busy (default 64)")
     s.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    s.add_argument("--max-context", type=int, default=2048, help="tokens per session, at most (default 2048)")
+    s.add_argument("--max-context", type=_positive, default=2048, help="tokens per session, at most (default 2048)")
     s.add_argument("--max-connections", type=int, default=128,
                    help="connections open at once; more are closed on accept (default 128)")
     s.add_argument("--idle-timeout-s", type=float, default=300.0,
@@ -232,13 +247,14 @@ def _cloud(argv: list[str]) -> int:
                    help='serve split inference under this JSON policy, e.g. \'{"allowed": "any", '
                         '"head_split": true, "acts": ["int8", "float16"]}\' (default: no split inference)')
     s.add_argument("--port-file", default=None, help="write the bound port here once listening")
-    s.add_argument("--log-level", default="INFO", help="logging level on stderr (default INFO)")
+    s.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
+                   help="logging level on stderr (default INFO)")
     s.add_argument("--cache-dir", default=None, help=CACHE_HELP)
     h = sub.add_parser("health", help="print a running service's status as JSON (every counter "
                                       "with the service's token in $EDGEFUSE_CLOUD_HEALTH_TOKEN)")
     h.add_argument("--host", default="127.0.0.1")
     h.add_argument("--port", type=int, default=39200)
-    h.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
+    h.add_argument("--timeout", type=_seconds, default=5.0, help="seconds (default 5)")
     g = sub.add_parser("generate", help="complete a prompt (--prompt) or chat through the cloud link")
     g.add_argument("--mode", default="spec_async", choices=["all", "edge", "cloud", "spec_sync", "spec_async",
                                                             "fusion_static", "fusion_adaptive", "split",

@@ -41,7 +41,7 @@ from edgefuse.cloud import protocol as P
 from edgefuse.cloud.wire import (WELCOME_ANONYMOUS_BYTES, WELCOME_BYTES, PeerClosed, check_welcome, decode_health, decode_welcome,
                                  encode_health_probe, encode_hello, frame, make_identify,
                                  recv_message, send_message, session_transcript)
-from edgefuse.transport.crypto import (FrameError, SecureSession, derive_session,
+from edgefuse.transport.crypto import (FrameError, ReorderError, SecureSession, derive_session,
                                        generate_keypair, new_session_id)
 from edgefuse.transport.identity import Identity, TrustStore
 from edgefuse.privacy.audit import outbound
@@ -422,6 +422,14 @@ class CloudLink:
             self.bytes_down += nbytes
             try:
                 plain = self._secure.open(body)
+            except ReorderError as exc:  # a genuine frame was altered or dropped: never lines up again
+                self.frames_rejected += 1
+                self._mark_dead(f"frames from the cloud were altered or dropped in transit ({exc})")
+                try:  # end the connection too, so the cloud frees the session now
+                    self._sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                return
             except FrameError as exc:
                 self.frames_rejected += 1
                 log.warning("cloud link %s: rejected frame (%s): %s", self.peer,

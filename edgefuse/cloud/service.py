@@ -28,9 +28,12 @@ Model of execution:
   runs ``target.step(jobs)`` once and routes each answer back to its connection
   (``loop.call_soon_threadsafe``). Per-session order is kept: a session's later requests wait
   for its earlier ones. A job whose session has closed meanwhile is dropped.
-- A frame that fails to open (tampered, replayed, reordered, truncated) is logged and counted
+- A frame that fails to open (forged, replayed, truncated) is logged and counted
   (``frames_rejected``) and otherwise ignored: the session is unchanged and the next genuine
-  frame works. A plaintext that does not parse gets ERROR ``protocol``; the session goes on.
+  frame works. An authentic frame after a gap (a genuine frame was altered or dropped in
+  transit, so the stream can never line up again) gets ERROR ``integrity`` and the
+  connection closes, freeing its session, as TLS does with a bad record: the device learns
+  at once instead of waiting out its timeout (``integrity_closes``). A plaintext that does not parse gets ERROR ``protocol``; the session goes on.
   :class:`edgefuse.cloud.target.SessionError` becomes ERROR with its code; any other failure of the
   target becomes ERROR ``internal``.
 - ``max_sessions``: an OPEN beyond it gets ERROR ``busy`` (the connection stays usable; the
@@ -116,7 +119,7 @@ from edgefuse.cloud.wire import (MessageTooLarge, PeerClosed, check_identify, de
                                  encode_health, encode_signed_welcome, encode_welcome,
                                  health_probe_token, hello_is_anonymous, is_health_probe,
                                  session_transcript, write_message)
-from edgefuse.transport.crypto import FrameError, HandshakeError, derive_session, generate_keypair
+from edgefuse.transport.crypto import FrameError, HandshakeError, ReorderError, derive_session, generate_keypair
 from edgefuse.transport.identity import (AUTHORIZED_FILE, IDENTITY_FILE, Identity, IdentityError,
                                          TrustStore, cloud_dir, load_identity)
 
@@ -320,7 +323,8 @@ class CloudService:
                  "batch_wait_timeouts", "auth_failures", "handshakes_refused",
                  "devices_authenticated", "split_sessions_total", "split_refusals",
                  "split_batches", "split_jobs", "split_head_jobs", "split_mask_jobs",
-                 "split_bytes_in", "split_bytes_out", "prefill_chunks", "prefill_interleaved_batches")
+                 "split_bytes_in", "split_bytes_out", "prefill_chunks", "prefill_interleaved_batches",
+                 "integrity_closes")
 
     def stats(self) -> dict:
         """Counters since start: ``sessions_open`` (holding a cache slot now),
@@ -329,6 +333,8 @@ class CloudService:
         closed before its turn), ``mean_batch_size`` (jobs / batches), ``max_batch_size``,
         ``batch_sizes`` ({size: count}), ``frames_rejected`` (frames that failed to open),
         ``protocol_errors`` (plaintexts that failed to parse, misplaced messages),
+        ``integrity_closes`` (connections closed because an authentic frame arrived after a
+        gap: a genuine frame of the device was altered or dropped in transit),
         ``busy_refusals``, ``auth_failures`` (IDENTIFY missing, unknown or not verifying),
         ``handshakes_refused`` (a hello of the other authentication mode),
         ``devices_authenticated``, ``health_probes``, ``health_auth_failures`` (probes with a wrong
@@ -682,6 +688,15 @@ class CloudService:
                 body = await self._read(reader, conn, conn.frame_limit or self.max_frame_bytes)
                 try:
                     plain = secure.open(body)
+                except ReorderError as exc:  # an authentic frame after a gap: frames were lost
+                    conn.frames_rejected += 1
+                    self._count("frames_rejected")
+                    self._count("integrity_closes")
+                    log.warning("connection %d: %s; closing", conn.id, exc)
+                    conn.send(P.Error("integrity", "frames of this connection were altered or dropped "
+                                                   "in transit; closing it (open a new one)"))
+                    await writer.drain()
+                    return
                 except FrameError as exc:
                     conn.frames_rejected += 1
                     self._count("frames_rejected")

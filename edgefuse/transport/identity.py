@@ -281,8 +281,14 @@ class TrustStore:
                                         "pins": {k: v.hex() for k, v in sorted(self._pins.items())}})
 
 
+MAX_DEVICES = 4096  # partition ids 0 .. MAX_DEVICES - 1 (as many as `edgefuse deploy` makes)
+
+
 def device_dir(root: str | os.PathLike, partition_id: int) -> Path:
-    """Where :func:`provision` keeps the device ``partition_id``'s identity and trust store."""
+    """Where :func:`provision` keeps the device ``partition_id``'s identity and trust store.
+    Raises :class:`IdentityError` for an id outside 0 .. ``MAX_DEVICES`` - 1."""
+    if not 0 <= int(partition_id) < MAX_DEVICES:
+        raise IdentityError(f"partition id must be in 0..{MAX_DEVICES - 1}, got {partition_id}")
     return Path(root) / "devices" / f"partition-{int(partition_id)}"
 
 
@@ -338,10 +344,11 @@ def provision(root: str | os.PathLike, num_partitions: int) -> dict[str, str]:
     public key was registered (:func:`register_public`) gets no key made for it. A device's
     trust store is rewritten with the current keys of the cloud and of every other device
     (pins of other names it holds are kept). Returns ``{name: fingerprint}``.
-    Raises :class:`IdentityError` for ``num_partitions`` < 1 or a bad existing key file.
+    Raises :class:`IdentityError` for ``num_partitions`` outside 1 .. ``MAX_DEVICES`` or a
+    bad existing key file.
     """
-    if int(num_partitions) < 1:
-        raise IdentityError(f"num_partitions must be >= 1, got {num_partitions}")
+    if not 1 <= int(num_partitions) <= MAX_DEVICES:
+        raise IdentityError(f"num_partitions must be in 1..{MAX_DEVICES}, got {num_partitions}")
     root = Path(root)
     cloud = load_identity(cloud_dir(root) / IDENTITY_FILE, create=True)
     devices = {device_name(p): _device_public(root, p) for p in range(int(num_partitions))}

@@ -62,6 +62,24 @@ def test_missing_mirror(tmp_path):
     assert not any(out.glob("*/*"))  # nothing ran: no job folder left behind
 
 
+def test_a_failed_launch_never_deletes_a_folder_it_did_not_make(tmp_path):
+    """The attack: ``hydra.run.dir`` pointed at a folder holding a user's files (or a
+    checkpoint a restart resumes from) and a launch that fails before running. The folder
+    and everything in it stay; only a folder with nothing but Hydra's record goes."""
+    precious = tmp_path / "precious"
+    (precious / ".git").mkdir(parents=True)
+    (precious / "notes.txt").write_text("mine")
+    (precious / "checkpoint").mkdir()
+    (precious / "checkpoint" / "ckpt-r001.bin").write_bytes(b"x")
+    rc, line = cli("run", "experiment=tiny", f"hydra.run.dir={precious}", f"data.mirror={tmp_path / 'nowhere'}")
+    assert rc == 2 and "mirror file not found" in line
+    assert (precious / "notes.txt").read_text() == "mine" and (precious / ".git").is_dir()
+    assert (precious / "checkpoint" / "ckpt-r001.bin").is_file()
+    fresh = tmp_path / "fresh"
+    rc, _ = cli("run", "experiment=tiny", f"hydra.run.dir={fresh}", f"data.mirror={tmp_path / 'nowhere'}")
+    assert rc == 2 and not fresh.exists()
+
+
 def test_unreachable_hub():
     offline = {"EDGEFUSE_DATA_MIRROR": "hub", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     rc, line = cli("cloud", "generate", "--model", "tiny-qwen2", "--mode", "edge", "--prompt", "hi",

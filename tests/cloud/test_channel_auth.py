@@ -199,6 +199,18 @@ def test_relay_flipping_a_byte_of_a_later_frame_gets_it_rejected(svc, tiny, dire
             assert svc.stats()["frames_rejected"] - before == 1 and link.frames_rejected == 0
         else:
             assert link.frames_rejected == 1 and svc.stats()["frames_rejected"] == before
+        # the next genuine frame shows the gap: the stream can never line up again, so the
+        # connection ends at once with a reason (the device falls back, not waits), and the
+        # cloud frees the session
+        with pytest.raises((P.RemoteError, ConnectionError)) as err:
+            link.open(PROMPT, fp, timeout_s=10)
+        if direction == "up":
+            assert isinstance(err.value, P.RemoteError) and err.value.code == "integrity"
+            assert svc.stats()["integrity_closes"] == 1
+        else:
+            assert "altered or dropped in transit" in str(err.value)
+        wait_for(lambda: not link.alive, what="the connection ends")
+        wait_for(lambda: svc.stats()["sessions_open"] == 0, what="the cloud frees the session")
     finally:
         link.close()
     assert svc.stats()["devices_authenticated"] == 1  # the handshake itself went through
