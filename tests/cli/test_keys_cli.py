@@ -60,7 +60,11 @@ def test_a_swapped_pin_shows_as_a_different_safety_number(tmp_path, capsys, monk
 def test_errors_are_one_line(tmp_path):
     root = str(tmp_path)
     rc, line = cli("keys", "init", "--partitions", "0", "--root", root)
-    assert rc == 2 and line == "edgefuse: error: num_partitions must be >= 1, got 0"
+    assert rc == 2 and line == "edgefuse: error: num_partitions must be in 1..4096, got 0"
+    # the attack: a huge count would fill the disk with device folders; refused before any
+    rc, line = cli("keys", "init", "--partitions", "100000000", "--root", str(tmp_path / "huge"))
+    assert rc == 2 and line == "edgefuse: error: num_partitions must be in 1..4096, got 100000000"
+    assert not (tmp_path / "huge" / "devices").exists()
     rc, line = cli("keys", "show", "--root", str(tmp_path / "none"))
     assert rc == 2 and line.startswith(f"edgefuse: error: no identities under {tmp_path / 'none'}")
     assert main(["keys", "init", "--partitions", "1", "--root", root]) == 0
