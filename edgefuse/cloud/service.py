@@ -33,7 +33,8 @@ Model of execution:
   frame works. An authentic frame after a gap (a genuine frame was altered or dropped in
   transit, so the stream can never line up again) gets ERROR ``integrity`` and the
   connection closes, freeing its session, as TLS does with a bad record: the device learns
-  at once instead of waiting out its timeout (``integrity_closes``). A plaintext that does not parse gets ERROR ``protocol``; the session goes on.
+  at once instead of waiting out its timeout (``integrity_closes``). A plaintext that does
+  not parse gets ERROR ``protocol``; the session goes on.
   :class:`edgefuse.cloud.target.SessionError` becomes ERROR with its code; any other failure of the
   target becomes ERROR ``internal``.
 - ``max_sessions``: an OPEN beyond it gets ERROR ``busy`` (the connection stays usable; the

@@ -16,10 +16,6 @@ Modes (``MODES``):
   After a rejection the device drafts before sending only where that pays
   (:meth:`GammaController.choose_restart`); else the cloud's step goes out at once (γ = 0)
   and the drafts for the block after it are made in its shadow.
-
-Every link mode sends the OPEN first and prefills the device (and drafts the first block)
-while the cloud prefills; each generation's controller starts from the acceptance rate the
-device's earlier generations of that mode achieved.
 - ``fusion_static`` / ``fusion_adaptive``: per token the device fuses its log-probabilities
   with the cloud's top-k (:mod:`edgefuse.cloud.fusion`); a per-token deadline makes the device emit
   its own token when the cloud is late (the cloud stays in sync because every request
@@ -34,6 +30,10 @@ device's earlier generations of that mode achieved.
   it, so a right guess sends the next MID at once. Greedy output equals
   the unsplit target's up to the int8 activation error (identical with float16 rows in
   the tests).
+
+Every link mode but the split ones sends the OPEN first and prefills the device (and drafts
+the first block) while the cloud prefills; each generation's controller starts from the
+acceptance rate the device's earlier generations of that mode achieved.
 
 The speculative modes draft with a :class:`~edgefuse.cloud.decoding.drafters.Drafter`
 (full head, pruned head, shallow layers or prompt lookup, ``cloud.decode.drafter``); the
@@ -436,12 +436,16 @@ class Decoder:
 
     def _choose(self, ctl: GammaController, overlap: bool = False, probe: bool = True) -> int:
         """The controller's γ from the decoder's timings and this mode's measured round trips."""
-        settled = {g for g, d in self._mode_samples.items() if len(d) == ROUND_TRIP_SAMPLES}
+        settled = self._settled()
         achieved = {g: sum(ms for _, ms in d) / max(sum(n for n, _ in d), 1)
                     for g, d in self._achieved.items() if len(d) >= 2}
         return ctl.choose(self.draft_ms, self.rtt_ms, self.verify_ms, overlap=overlap,
                           measured=_medians(self._mode_samples), settled=settled, achieved=achieved,
                           probe=probe)
+
+    def _settled(self) -> set[int]:
+        """The γs of this mode whose round-trip cost has its full sample."""
+        return {g for g, d in self._mode_samples.items() if len(d) == ROUND_TRIP_SAMPLES}
 
     def _ahead(self, ctl: GammaController) -> int:
         """``spec_async``'s look-ahead bound: the γ that best fills a round trip when drafting
@@ -451,7 +455,7 @@ class Decoder:
     def _restart_gamma(self, ctl: GammaController) -> int:
         """The γ of a ``spec_async`` restart (:meth:`GammaController.choose_restart`) from this
         mode's measured round trips and restart drafting times."""
-        settled = {g for g, d in self._mode_samples.items() if len(d) == ROUND_TRIP_SAMPLES}
+        settled = self._settled()
         return ctl.choose_restart(self.draft_ms, self.rtt_ms, self.verify_ms, self._ahead(ctl),
                                   measured=_medians(self._mode_samples),
                                   restart_ms=_medians(self._mode_restarts), settled=settled)
@@ -553,9 +557,10 @@ class Decoder:
                 self._time_round_trip(1000 * (time.perf_counter() - sent), ctl, len(draft.ids))
                 ctl.update(n, len(draft.ids))
                 self._count_block(len(draft.ids), n + 1)
-                if n == len(draft.ids) and guess is not None:
-                    ctl.update_guess(token == guess)
-                hit = n == len(draft.ids) and guess is not None and token == guess
+                tested = n == len(draft.ids) and guess is not None  # the guess met the answer
+                hit = tested and token == guess
+                if tested:
+                    ctl.update_guess(hit)
                 done, _ = self._commit(drafter, res, committed, draft, n, token, cfg)
                 if done:
                     return
