@@ -184,7 +184,7 @@ def test_wrong_fingerprint_is_refused_and_the_link_can_retry(make_service, tiny)
         assert svc.stats()["sessions_open"] == 1
 
 
-def test_rejected_frames_leave_the_session_working(make_service, tiny, greedy):
+def test_rejected_frames_leave_the_session_working_until_a_gap(make_service, tiny, greedy):
     _, _, fp = tiny
     svc = make_service()
     prompt = PROMPTS[2]
@@ -219,15 +219,6 @@ def test_rejected_frames_leave_the_session_working(make_service, tiny, greedy):
     r, genuine = verify_frame()
     raw.send_frame(genuine)
     expect_answer(r)
-    # 3. reordered: frame n+1 before frame n (refused), then n and n+1 in order
-    r1, f1 = verify_frame()
-    r2, f2 = verify_frame()
-    raw.send_frame(f2)
-    rejected += 1
-    raw.send_frame(f1)
-    raw.send_frame(f2)
-    expect_answer(r1)
-    expect_answer(r2)
     # 4. truncated: shorter than header + tag; then the whole frame
     r, genuine = verify_frame()
     raw.send_frame(genuine[:FRAME_OVERHEAD - 6])
@@ -241,7 +232,7 @@ def test_rejected_frames_leave_the_session_working(make_service, tiny, greedy):
     raw.send_frame(genuine)
     expect_answer(r)
     stats = svc.stats()
-    assert stats["frames_rejected"] == rejected == 5
+    assert stats["frames_rejected"] == rejected == 4
     # 5. an authentic frame whose plaintext does not parse: ERROR protocol, session goes on
     raw.send_frame(raw.seal(bytes([P.VERIFY, 0, 0])))
     reply = raw.recv()
@@ -249,7 +240,18 @@ def test_rejected_frames_leave_the_session_working(make_service, tiny, greedy):
     r, genuine = verify_frame()
     raw.send_frame(genuine)
     expect_answer(r)
-    assert svc.stats()["protocol_errors"] == 1 and svc.stats()["frames_rejected"] == 5
+    assert svc.stats()["protocol_errors"] == 1 and svc.stats()["frames_rejected"] == 4
+    # 6. reordered: an authentic frame after a gap means frames were dropped in transit;
+    # the stream can no longer be trusted, so the service answers ERROR integrity and closes
+    r1, f1 = verify_frame()
+    r2, f2 = verify_frame()
+    raw.send_frame(f2)
+    reply = raw.recv()
+    assert isinstance(reply, P.Error) and reply.code == "integrity"
+    with pytest.raises(OSError):  # the closed stream: EOF (PeerClosed) or a reset
+        raw.send_frame(f1)
+        raw.recv()
+    assert svc.stats()["integrity_closes"] == 1 and svc.stats()["frames_rejected"] == 5
     raw.close()
 
 
