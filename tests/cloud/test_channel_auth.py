@@ -454,10 +454,11 @@ def _fake_cloud(behaviour):
     return srv
 
 
-def _trickle(conn):
-    """A welcome announced at 16 MiB, sent one byte every 0.3 s (never finishes in time)."""
+def _trickle(conn, announced: int = 16 * 1024 * 1024 - 1):
+    """A welcome announced at ``announced`` bytes (16 MiB by default), sent one byte every
+    0.3 s (never finishes in time); stops when the device hangs up."""
     try:
-        conn.sendall((16 * 1024 * 1024 - 1).to_bytes(4, "big"))
+        conn.sendall(announced.to_bytes(4, "big"))
         for _ in range(40):
             conn.sendall(b"x")
             time.sleep(0.3)
@@ -468,8 +469,7 @@ def _trickle(conn):
 def test_a_cloud_trickling_its_welcome_is_cut_off_at_the_connect_timeout():
     """The handshake's timeout is one deadline, not per read: a fake cloud (anyone at the
     host:port the server names) that drips bytes cannot stall the device past it."""
-    srv = _fake_cloud(lambda conn: (conn.sendall((wire.WELCOME_BYTES).to_bytes(4, "big")),
-                                    [(conn.sendall(b"x"), time.sleep(0.3)) for _ in range(40)]))
+    srv = _fake_cloud(lambda conn: _trickle(conn, wire.WELCOME_BYTES))
     t0 = time.monotonic()
     with srv, pytest.raises(CloudUnavailable, match="TimeoutError"):
         CloudLink.connect(*srv.getsockname(), timeout_s=1.5, **device_keys())
