@@ -8,6 +8,7 @@ ClientApp inside each message, so clients never compose on their own.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shlex
 from dataclasses import dataclass
@@ -171,7 +172,8 @@ def validate(cfg: DictConfig) -> None:
             per client), probe protection or layer, a non-positive probe count, an
             ``l_cache`` below 1 or a ``max_update_norm`` that is not positive; a ``device``
             :func:`resolve_device` refuses; an unknown ``training.equal_rank`` or
-            ``training.robust``, or a ``training.trim_fraction`` outside ``[0, 0.5)``.
+            ``training.robust``, or a ``training.trim_fraction`` outside ``[0, 0.5)``; an lr or
+            timeout that is not finite; a ``seed`` that is not an integer >= 0.
     """
     if "device" in cfg:
         resolve_device(cfg.device)
@@ -205,11 +207,15 @@ def validate(cfg: DictConfig) -> None:
     if cfg.get("privacy") is not None:
         _validate_privacy(cfg, cfg.privacy)
     for key in ("training.lr", "federation.round_timeout_s"):
+        value = OmegaConf.select(cfg, key)
         try:
-            if float(OmegaConf.select(cfg, key)) <= 0:
+            if isinstance(value, bool) or not math.isfinite(float(value)) or float(value) <= 0:
                 raise ValueError
         except (TypeError, ValueError):
-            raise ConfigError(f"{key} must be a positive number, got {OmegaConf.select(cfg, key)!r}") from None
+            raise ConfigError(f"{key} must be a finite number > 0, got {value!r}") from None
+    seed = cfg.get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ConfigError(f"seed must be an integer >= 0, got {seed!r}")
 
 
 def _validate_privacy(cfg: DictConfig, priv: DictConfig) -> None:

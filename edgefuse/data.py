@@ -180,6 +180,49 @@ def load_gsm8k_split(data_cfg, split: str):
     return _CACHE[key]
 
 
+def check_data_config(data_cfg) -> None:
+    """Refuse a ``data`` config that would fail only inside the clients, before a run starts.
+
+    Raises:
+        ValueError: an unknown ``name`` (:data:`DATASETS`) or ``partitioning``
+            (:data:`PARTITIONINGS`); a ``dirichlet_alpha`` that is not a finite number > 0;
+            a ``public_fraction`` outside ``[0, 1)`` or ``val_fraction`` outside ``(0, 1)``;
+            a ``max_seq_len`` below 2 or a cap (``max_train_examples``, ``max_eval_examples``)
+            that is neither null nor an integer >= 1. Each message names the key.
+    """
+    import math
+
+    def number(key: str):
+        v = data_cfg.get(key)
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        return v if ok else None
+
+    def integer(key: str):
+        v = data_cfg.get(key)
+        return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+    if data_cfg.get("name") not in DATASETS:
+        raise ValueError(f"unknown data.name={data_cfg.get('name')!r}; valid: {list(DATASETS)}")
+    if data_cfg.get("partitioning") not in PARTITIONINGS:
+        raise ValueError(f"unknown data.partitioning={data_cfg.get('partitioning')!r}; "
+                         f"valid: {list(PARTITIONINGS)}")
+    if (a := number("dirichlet_alpha")) is None or a <= 0:
+        raise ValueError(f"data.dirichlet_alpha must be a finite number > 0, got "
+                         f"{data_cfg.get('dirichlet_alpha')!r}")
+    if (f := number("public_fraction")) is None or not 0 <= f < 1:
+        raise ValueError(f"data.public_fraction must be a number in [0, 1), got "
+                         f"{data_cfg.get('public_fraction')!r}")
+    if (f := number("val_fraction")) is None or not 0 < f < 1:
+        raise ValueError(f"data.val_fraction must be a number in (0, 1), got "
+                         f"{data_cfg.get('val_fraction')!r}")
+    if (n := integer("max_seq_len")) is None or n < 2:
+        raise ValueError(f"data.max_seq_len must be an integer >= 2, got {data_cfg.get('max_seq_len')!r}")
+    for key in ("max_train_examples", "max_eval_examples"):
+        if data_cfg.get(key) is not None and ((n := integer(key)) is None or n < 1):
+            raise ValueError(f"data.{key} must be null (no cap) or an integer >= 1, got "
+                             f"{data_cfg.get(key)!r}")
+
+
 # ------------------------------------------------------------------------ partitioning
 
 def split_public(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:

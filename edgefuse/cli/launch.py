@@ -27,7 +27,7 @@ from edgefuse.app import checkpoint, phases
 from edgefuse.app.device import keys_root
 from edgefuse.cli.common import one_line, quote_override
 from edgefuse.config import CONF_DIR, ConfigError, hub_for_null_mirror, resolve_paths, validate
-from edgefuse.data import HUB, mirror_file
+from edgefuse.data import HUB, check_data_config, mirror_file
 from edgefuse.eval.splits import public_slices
 from edgefuse.models import ModelFetchError, ModelSpecError, get_spec, is_fetched
 from edgefuse.results import RunRecorder, load_results
@@ -234,6 +234,7 @@ def hydra_main(cfg: DictConfig) -> None:
         resolve_paths(cfg)
         validate(cfg)
         phases.check(cfg)
+        check_data_config(cfg.data)
         mirror_file(cfg.data)  # fail here, not in every client
         public_slices(cfg.data, int(cfg.seed))  # and a public split too small for its slices
         prefetch(cfg)

@@ -41,7 +41,16 @@ def test_bad_overrides_and_arguments():
     rc, line = cli("run", "training.lr==")
     assert rc == 2 and line.startswith("edgefuse: error: bad override 'training.lr=='")
     rc, line = cli("run", "--multirun", "training.lr=-1,1e-4")  # a sweep: its first value is checked
-    assert rc == 2 and line == "edgefuse: error: training.lr must be a positive number, got -1"
+    assert rc == 2 and line == "edgefuse: error: training.lr must be a finite number > 0, got -1"
+    # values that fail only inside a client are refused before Flower starts, naming the key
+    for override, want in [("training.lr=nan", "training.lr must be a finite number > 0, got nan"),
+                           ("seed=abc", "seed must be an integer >= 0, got 'abc'"),
+                           ("data.partitioning=bogus", "unknown data.partitioning='bogus'; "
+                                                       "valid: ['category', 'dirichlet']"),
+                           ("data.dirichlet_alpha=0", "data.dirichlet_alpha must be a finite number > 0"),
+                           ("data.max_train_examples=0", "data.max_train_examples must be null")]:
+        rc, line = cli("run", "experiment=tiny", override)
+        assert rc == 2 and line.startswith("edgefuse: error: " + want), (override, line)
     rc, line = cli("cloud", "generate", "--no-such-flag")
     assert rc == 2 and line == ("edgefuse cloud: error: unrecognized arguments: --no-such-flag "
                                 "(see edgefuse cloud --help)")
