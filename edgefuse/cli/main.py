@@ -44,6 +44,35 @@ def _positive(text: str) -> int:
     return int(text)
 
 
+def _count(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"the value must be an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"the value must be an integer >= 0, got {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    """An argparse type: a TCP port, 0..65535 (0 = any free one where a server binds)."""
+    value = _count(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"a port must be in 0..65535, got {text!r}")
+    return value
+
+
+def _new_tokens(text: str) -> int:
+    """An argparse type: tokens to generate, 1..MAX_NEW_TOKENS."""
+    from edgefuse.cloud.decoding.config import MAX_NEW_TOKENS
+
+    value = _positive(text)
+    if value > MAX_NEW_TOKENS:
+        raise argparse.ArgumentTypeError(f"the value must be at most {MAX_NEW_TOKENS}, got {text!r}")
+    return value
+
+
 def _seconds(text: str) -> float:
     """An argparse type: a finite number of seconds > 0."""
     try:
@@ -194,14 +223,14 @@ def _cloud(argv: list[str]) -> int:
     s = sub.add_parser("serve", help="serve a target LLM to devices (framed TCP, see edgefuse.cloud.service)")
     s.add_argument("--model", required=True, help="a registered model name (edgefuse models list)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    s.add_argument("--port", type=int, default=39200, help="TCP port, 0 = any free one (default 39200)")
+    s.add_argument("--port", type=_port, default=39200, help="TCP port, 0 = any free one (default 39200)")
     s.add_argument("--max-batch", type=int, default=8, help="jobs per forward pass, at most (default 8)")
     s.add_argument("--max-wait-ms", type=float, default=100.0,
                    help="ms the batcher waits at most to fill a batch after its first job; it stops "
                         "early once every open session is in (default 100)")
     s.add_argument("--max-sessions", type=int, default=64,
                    help="sessions open at once; more get ERROR busy (default 64)")
-    s.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    s.add_argument("--threads", type=_positive, default=None, help="torch CPU threads (default: torch's)")
     s.add_argument("--max-context", type=_positive, default=2048, help="tokens per session, at most (default 2048)")
     s.add_argument("--max-connections", type=int, default=128,
                    help="connections open at once; more are closed on accept (default 128)")
@@ -253,7 +282,7 @@ def _cloud(argv: list[str]) -> int:
     h = sub.add_parser("health", help="print a running service's status as JSON (every counter "
                                       "with the service's token in $EDGEFUSE_CLOUD_HEALTH_TOKEN)")
     h.add_argument("--host", default="127.0.0.1")
-    h.add_argument("--port", type=int, default=39200)
+    h.add_argument("--port", type=_port, default=39200)
     h.add_argument("--timeout", type=_seconds, default=5.0, help="seconds (default 5)")
     g = sub.add_parser("generate", help="complete a prompt (--prompt) or chat through the cloud link")
     g.add_argument("--mode", default="spec_async", choices=["all", "edge", "cloud", "spec_sync", "spec_async",
@@ -265,13 +294,13 @@ def _cloud(argv: list[str]) -> int:
     g.add_argument("--model", default="qwen2.5-coder-0.5b", help="the edge model (default qwen2.5-coder-0.5b)")
     g.add_argument("--adapter", default=None, help="a PEFT adapter folder (a run's adapters/round_NNN/<model>)")
     g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=39200)
+    g.add_argument("--port", type=_port, default=39200)
     g.add_argument("--wan", default="none", help="emulated link: none, lan, wan20, wan80 (default none)")
-    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--max-new-tokens", type=_new_tokens, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--gamma", type=int, default=None, help="fixed draft length (default: adaptive)")
-    g.add_argument("--draft-head", type=int, default=0, help="frequency-pruned draft head size (0 = full)")
+    g.add_argument("--gamma", type=_count, default=None, help="fixed draft length (default: adaptive)")
+    g.add_argument("--draft-head", type=_count, default=0, help="frequency-pruned draft head size (0 = full)")
     g.add_argument("--fusion-weight", type=float, default=0.5, help="edge weight of static fusion")
     g.add_argument("--confidence", default="entropy", choices=["entropy", "margin"])
     g.add_argument("--deadline-ms", type=float, default=1000.0, help="per fused token (ms)")
@@ -281,31 +310,31 @@ def _cloud(argv: list[str]) -> int:
     g.add_argument("--flag-cache", default=None, action=argparse.BooleanOptionalAction,
                    help="whether the cloud may keep the session's KV cache between requests "
                         "(default: privacy.cloud_auth.flag_cache, yes)")
-    g.add_argument("--l-cache", type=int, default=None,
+    g.add_argument("--l-cache", type=_positive, default=None,
                    help="the most past tokens the cloud may keep and attend to "
                         "(default: privacy.cloud_auth.l_cache, unlimited)")
     g.add_argument("--target", default="qwen2.5-coder-1.5b",
                    help="the cloud's model: its tokenizer, when not the edge model's, for decoding "
                         "across vocabularies; split modes: its first and last layers run here "
                         "(default qwen2.5-coder-1.5b)")
-    g.add_argument("--split-k", type=int, default=2, help="split modes: the target's first layers here (default 2)")
-    g.add_argument("--split-m", type=int, default=2, help="split modes: its last layers here (default 2)")
+    g.add_argument("--split-k", type=_count, default=2, help="split modes: the target's first layers here (default 2)")
+    g.add_argument("--split-m", type=_count, default=2, help="split modes: its last layers here (default 2)")
     g.add_argument("--split-act", default="int8", choices=["int8", "float16"],
                    help="split modes: activations on the link (default int8, per-row scales)")
-    g.add_argument("--head-split", type=int, default=None,
+    g.add_argument("--head-split", type=_positive, default=None,
                    help="split modes: hold only the head's first S columns; the cloud scores the rest "
                         "(default: the whole head here)")
     g.add_argument("--mask", default=None, choices=["full", "english", "ascii", "corpus"],
                    help="with --head-split: the vocabulary the cloud scores; other tokens are never emitted "
                         "(corpus: the --mask-size most frequent tokens of the public corpus, sent once)")
-    g.add_argument("--mask-size", type=int, default=32768,
+    g.add_argument("--mask-size", type=_positive, default=32768,
                    help="with --mask corpus: how many tokens it keeps (default 32768)")
-    g.add_argument("--head-topk", type=int, default=0,
+    g.add_argument("--head-topk", type=_count, default=0,
                    help="with --head-split: 0 = the whole mask 8-bit (default), k = its top-k")
     g.add_argument("--fill", default="drop", choices=["drop", "bound"],
                    help="with --head-topk: a mask token the cloud did not send is left out (drop, "
                         "default) or scored at an upper bound of its logit (bound)")
-    g.add_argument("--stream-block", type=int, default=0,
+    g.add_argument("--stream-block", type=_count, default=0,
                    help="split modes: prompt rows per pipelined MID (default 0 = the whole prompt in one)")
     g.add_argument("--split-adapter", default=None, metavar="DIR",
                    help="split modes: a PEFT LoRA folder merged into the target layers run here "
@@ -315,7 +344,7 @@ def _cloud(argv: list[str]) -> int:
                         "--adapter merged) exported to ONNX and run by ONNX Runtime")
     g.add_argument("--quant", default="int8", choices=["fp32", "int8", "int4"],
                    help="with --profile edge: the export's weights (default int8)")
-    g.add_argument("--threads", type=int, default=None, help="torch (and ONNX Runtime) CPU threads")
+    g.add_argument("--threads", type=_positive, default=None, help="torch (and ONNX Runtime) CPU threads")
     g.add_argument("--device-dir", default=None,
                    help="the device home whose identity and pinned cloud key authenticate the link "
                         "(default <keys root>/devices/partition-0)")

@@ -54,6 +54,10 @@ def test_bad_overrides_and_arguments():
     rc, line = cli("cloud", "generate", "--no-such-flag")
     assert rc == 2 and line == ("edgefuse cloud: error: unrecognized arguments: --no-such-flag "
                                 "(see edgefuse cloud --help)")
+    for flag, value in [("--max-new-tokens", "1000000000"), ("--max-new-tokens", "0"), ("--gamma", "-1"),
+                        ("--port", "70000"), ("--threads", "0")]:
+        rc, line = cli("cloud", "generate", flag, value, "--prompt", "hi")  # refused before any load
+        assert rc == 2 and line.startswith(f"edgefuse cloud generate: error: argument {flag}: "), line
     rc, line = cli("frobnicate")
     assert rc == 2 and line.startswith("edgefuse: error: unknown command 'frobnicate'")
 

@@ -14,6 +14,7 @@ MODES = ("edge", "cloud", "spec_sync", "spec_async", "fusion_static", "fusion_ad
          "split_spec")
 SPLIT_MODES = ("split", "split_spec")  # the device runs the target's first and last layers
 LINK_MODES = tuple(m for m in MODES if m != "edge")
+MAX_NEW_TOKENS = 32768  # the most tokens one generation may ask for (longer than any context here)
 
 
 class DecodeError(ValueError):
@@ -59,8 +60,8 @@ class DecodeConfig:
                 raise DecodeError(f"{key} must be true or false, got {getattr(self, key)!r}")
         if not isinstance(self.auth, CloudAuth):
             raise DecodeError(f"auth must be a CloudAuth, got {type(self.auth).__name__}")
-        if self.max_new_tokens < 1:
-            raise DecodeError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
+            raise DecodeError(f"max_new_tokens must be in 1..{MAX_NEW_TOKENS}, got {self.max_new_tokens}")
         if not self.temperature >= 0:
             raise DecodeError(f"temperature must be >= 0, got {self.temperature}")
         if self.gamma is not None and not 0 <= self.gamma <= P.MAX_GAMMA:
