@@ -566,7 +566,7 @@ def _check_run_overrides(items: list[str]) -> None:
             job.append(item)
     try:
         compose("default", job)
-    except ConfigError as e:
+    except (ConfigError, ModelSpecError) as e:
         raise CLIError(e) from None
 
 

@@ -51,6 +51,9 @@ def test_bad_overrides_and_arguments():
                            ("data.max_train_examples=0", "data.max_train_examples must be null")]:
         rc, line = cli("run", "experiment=tiny", override)
         assert rc == 2 and line.startswith("edgefuse: error: " + want), (override, line)
+    # an unknown client model is named as such, not as a c2c pair it no longer matches
+    rc, line = cli("run", "federation.clients.0.model=bogus")
+    assert rc == 2 and line.startswith("edgefuse: error: unknown model 'bogus': use one of "), line
     rc, line = cli("cloud", "generate", "--no-such-flag")
     assert rc == 2 and line == ("edgefuse cloud: error: unrecognized arguments: --no-such-flag "
                                 "(see edgefuse cloud --help)")

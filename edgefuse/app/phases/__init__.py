@@ -21,6 +21,7 @@ from edgefuse.app.phases.c2c import C2C
 from edgefuse.app.phases.decoding import Decoding
 from edgefuse.app.phases.privacy import Privacy
 from edgefuse.config import compose as compose_core
+from edgefuse.models import get_spec
 
 PHASES: list[type[Phase]] = [
     C2C,       # fusers after the rounds (or every round), then every receiver in every mode
@@ -37,9 +38,15 @@ def active(cfg: DictConfig) -> list[Phase]:
 def check(cfg: DictConfig) -> None:
     """Run the config check of every enabled phase.
 
+    Every client's model name is resolved first, so an unknown name is reported as such
+    rather than as a phase setting that names a model the federation lacks.
+
     Raises:
+        edgefuse.models.ModelSpecError: a client's model name is unknown.
         edgefuse.config.ConfigError: the first bad value found.
     """
+    for c in cfg.federation.clients:
+        get_spec(str(c.model))
     for phase in active(cfg):
         phase.check(cfg)
 
