@@ -132,6 +132,14 @@ def run(args) -> int:
                           cache_dir=getattr(args, "cache_dir", None))
     job = compose("default")  # the main job's settings: the privacy defaults, the corpus
     protection, auth = privacy_settings(args, job)
+    # settings and keys are checked before any model loads: a bad one fails in a second
+    cfg = DecodeConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                       gamma=args.gamma, seed=args.seed,
+                       fusion=FusionConfig(weight=args.fusion_weight, confidence=args.confidence),
+                       deadline_ms=args.deadline_ms, auth=auth)
+    uses_link = any(m != "edge" for m in modes)
+    if uses_link:
+        identity, trust = device_keys(args.device_dir, bool(args.trust_on_first_use))
     edge_lm = None
     if getattr(args, "profile", "cpu") == "edge":  # the same model, exported and run by ONNX Runtime
         from edgefuse.cloud.decoding import OnnxEdgeLM
@@ -168,8 +176,7 @@ def run(args) -> int:
             resolve_paths(job, data_mirror=paths.data_mirror or "hub", cache_dir=paths.cache_dir)
             split = with_corpus_mask(split, job.data, int(job.seed), job.paths.cache_dir)
     link = None
-    if any(m != "edge" for m in modes):
-        identity, trust = device_keys(args.device_dir, bool(args.trust_on_first_use))
+    if uses_link:
         pinned = CLOUD in trust.names()
         try:
             link = CloudLink.connect(args.host, args.port, wan=WanProfile.from_name(args.wan),
@@ -191,10 +198,6 @@ def run(args) -> int:
         from edgefuse.privacy.redact import Redactor
 
         redactor = Redactor.from_config(job)
-    cfg = DecodeConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                       gamma=args.gamma, seed=args.seed,
-                       fusion=FusionConfig(weight=args.fusion_weight, confidence=args.confidence),
-                       deadline_ms=args.deadline_ms, auth=auth)
     cross, fp, cloud_tok = None, tokenizer_fingerprint(tok), None
     if link is not None:  # a device of another tokenizer decodes across the vocabularies
         from edgefuse.cloud.crossvocab import CrossVocab

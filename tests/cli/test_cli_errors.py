@@ -126,3 +126,18 @@ def test_draft_head_finds_the_mirror_beside_the_checkout(tmp_path):
                          capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stderr
     assert list((tmp_path / "draft_heads").glob("*-64.json"))  # the head was built from the corpus
+
+
+def test_a_bad_trust_store_is_refused_before_any_model_loads(tmp_path):
+    """A corrupt trust.json fails in one line before the edge model is loaded: the cache is
+    empty and offline, so a load first would fail on the model instead."""
+    from edgefuse.transport.identity import device_dir, provision
+
+    provision(tmp_path / "keys", 1)
+    home = device_dir(tmp_path / "keys", 0)
+    (home / "trust.json").write_text("{not json")
+    rc, line = cli("cloud", "generate", "--model", "qwen2.5-coder-0.5b", "--mode", "cloud", "--prompt", "hi",
+                   "--device-dir", str(home), "--cache-dir", str(tmp_path / "empty-cache"),
+                   env={"HF_HUB_OFFLINE": "1"})
+    assert rc == 2 and line.startswith(f"edgefuse: error: trust store {home / 'trust.json'} is malformed"), line
+    assert not (tmp_path / "empty-cache").exists()
