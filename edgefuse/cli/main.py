@@ -575,6 +575,8 @@ def main(argv: list[str] | None = None) -> int:
     (``edgefuse: error: ...``) and a non-zero exit status, never a traceback; set
     ``EDGEFUSE_DEBUG=1`` for the traceback of an unexpected error."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if not sys.stderr.isatty():  # logs and scripts: no weight-loading bars before an error line
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0
