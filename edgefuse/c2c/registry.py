@@ -30,11 +30,16 @@ match the sha256 the card recorded at save time, or does not parse, raises
 catches every "do not apply this fuser".
 
 Import / export: :meth:`FuserRegistry.export` writes one version as a POSIX ustar archive of
-exactly its three files; :meth:`FuserRegistry.import_` registers such an archive (e.g. a
-fuser trained on a GPU machine) only after checking the archive's structure and sizes, the
+its three files, plus ``signature.json`` when it is given a signing identity: an Ed25519
+signature (:mod:`edgefuse.transport.identity`) by a named exporter over the sha256 of each
+of the three files (:func:`archive_message`). :meth:`FuserRegistry.import_` registers such an
+archive (e.g. a fuser trained on a GPU machine) only after checking the signature against
+the exporter's key pinned in a :class:`~edgefuse.transport.identity.TrustStore` (an
+unsigned archive only when explicitly allowed), the archive's structure and sizes, the
 card, the config and the weights against a reference fuser built from the card's model
 specs; an imported version whose models and config are a run's is then served as
-``cached`` (:mod:`edgefuse.c2c.hub`). Refusals raise :class:`FuserArchiveError`.
+``cached`` (:mod:`edgefuse.c2c.hub`). Refusals raise :class:`FuserArchiveError`. The
+signature is checked at import and not kept: the registry folder itself is trusted.
 
 Retraining rule (:func:`needs_retrain`): retrain a pair's fuser when the relative change of
 the adapters' effective update ``ΔW = B A``, over all modules together, exceeds a threshold
@@ -74,11 +79,14 @@ from edgefuse import packing
 from edgefuse.io import atomic_write_dir
 from edgefuse.aggregation import module_shapes, split_key
 from edgefuse.lora import adapter_hash, state_digest  # noqa: F401  (re-exported)
+from edgefuse.transport.identity import (Identity, IdentityError, TrustStore, UntrustedPeerError,
+                                         check_name, fingerprint, verify_signature)
 
 __all__ = [
-    "ARCHIVE_MEMBERS", "FORMAT_VERSION", "MAX_WEIGHTS_BYTES", "PACK_PART", "FuserArchiveError",
-    "FuserCard", "FuserIntegrityError", "FuserRegistry", "FuserVersion", "FuserVersionError",
-    "ModelVersion", "adapter_change", "adapter_hash", "check_received", "config_hash",
+    "ARCHIVE_MEMBERS", "DEFAULT_SIGNER", "FORMAT_VERSION", "MAX_SIGNATURE_BYTES",
+    "MAX_WEIGHTS_BYTES", "PACK_PART", "SIGNATURE", "FuserArchiveError", "FuserCard",
+    "FuserIntegrityError", "FuserRegistry", "FuserVersion", "FuserVersionError", "ModelVersion",
+    "adapter_change", "adapter_hash", "archive_message", "check_received", "config_hash",
     "needs_retrain", "pack_state", "state_digest", "trained_on", "unpack_state",
 ]
 
@@ -94,6 +102,12 @@ ARCHIVE_MEMBERS = (CARD, CONFIG, WEIGHTS)  # the members of an exported fuser, i
 MAX_CARD_BYTES = 64 * 1024
 MAX_CONFIG_BYTES = 64 * 1024
 MAX_WEIGHTS_BYTES = 2 * 1024 ** 3  # default cap on an imported weights file (≈ 500 M params)
+SIGNATURE = "signature.json"       # the optional 4th member of an archive: the exporter's signature
+MAX_SIGNATURE_BYTES = 4 * 1024
+SIGNATURE_FORMAT = 1
+DEFAULT_SIGNER = "exporter"        # the signer name of a signed export when none is given
+_SIGNED_PREFIX = b"edgefuse fuser archive v1\x00"  # domain separation of the signed message
+_HEX64, _HEX128 = re.compile(r"^[0-9a-f]{64}$"), re.compile(r"^[0-9a-f]{128}$")
 _SAFETENSORS_SLACK = 16 * 1024      # header allowance above 4 bytes per parameter (+256 per tensor)
 
 
@@ -571,17 +585,28 @@ class FuserRegistry:
         raise FuserVersionError(f"no fuser version {version_id} in {self.root}")
 
     # -- import / export ------------------------------------------------------------
-    def export(self, version: FuserVersion, path: str | os.PathLike) -> Path:
+    def export(self, version: FuserVersion, path: str | os.PathLike, signer: Identity | None = None,
+               signer_name: str | None = None) -> Path:
         """Write ``version`` as one archive file at ``path`` (replaced atomically): a POSIX
-        ustar tar holding exactly ``card.json``, ``config.json`` and ``fuser.safetensors``,
-        the registry's own bytes (so an import is bit-identical). Every check of
+        ustar tar holding ``card.json``, ``config.json`` and ``fuser.safetensors``, the
+        registry's own bytes (so an import is bit-identical). Every check of
         :meth:`load_state` runs first: a corrupted version is never exported.
+
+        With ``signer``, a fourth member ``signature.json`` follows:
+        ``{"format": 1, "signer": <name>, "public_key": <64 hex>, "signature": <128 hex>}``,
+        the Ed25519 signature of :func:`archive_message` (the signer name and the sha256 of
+        each of the three files), which :meth:`import_` checks against the key its trust store
+        pins for that name. ``signer_name`` defaults to :data:`DEFAULT_SIGNER` (``exporter``).
+        Ed25519 signatures are deterministic: the same version, key and name give the same
+        archive bytes.
 
         Returns the archive's path.
 
         Raises:
             FuserVersionError: ``version`` is not in the registry.
             FuserIntegrityError: its files fail :meth:`load_state`'s checks.
+            IdentityError: ``signer_name`` is not a valid trust-store name.
+            ValueError: ``signer_name`` without ``signer``.
             OSError: ``path`` cannot be written (nothing is left half-written).
         """
         import io
@@ -589,44 +614,65 @@ class FuserRegistry:
 
         from edgefuse.io import atomic_write_bytes
 
+        if signer is None and signer_name is not None:
+            raise ValueError("a signer name needs a signer (the identity to sign with)")
+        name = check_name(signer_name or DEFAULT_SIGNER) if signer is not None else None
         _, _, card = self.load_state(version)
         folder = self.path(version)
         files = {name: (folder / name).read_bytes() for name in ARCHIVE_MEMBERS}
         if hashlib.sha256(files[WEIGHTS]).hexdigest() != card.weights_sha256:
             raise FuserIntegrityError(f"{folder / WEIGHTS} changed while it was exported")
+        names = list(ARCHIVE_MEMBERS)
+        if signer is not None:
+            doc = {"format": SIGNATURE_FORMAT, "signer": name,
+                   "public_key": signer.public_bytes().hex(),
+                   "signature": signer.sign(archive_message(name, files)).hex()}
+            files[SIGNATURE] = (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
+            names.append(SIGNATURE)
         try:
             mtime = int(datetime.fromisoformat(card.created).timestamp())
         except (TypeError, ValueError):
             mtime = 0
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-            for name in ARCHIVE_MEMBERS:
-                info = tarfile.TarInfo(name)
-                info.size, info.mode, info.mtime = len(files[name]), 0o644, max(mtime, 0)
-                tar.addfile(info, io.BytesIO(files[name]))
+            for member in names:
+                info = tarfile.TarInfo(member)
+                info.size, info.mode, info.mtime = len(files[member]), 0o644, max(mtime, 0)
+                tar.addfile(info, io.BytesIO(files[member]))
         return atomic_write_bytes(path, buf.getvalue())
 
     def import_(self, path: str | os.PathLike, *, kv_spec_of=None, cache_dir=None,
-                max_weights_bytes: int = MAX_WEIGHTS_BYTES, make_latest: bool = True) -> FuserVersion:
+                max_weights_bytes: int = MAX_WEIGHTS_BYTES, make_latest: bool = True,
+                trust: TrustStore | None = None, allow_unsigned: bool = False) -> FuserVersion:
         """Register the fuser version in the archive at ``path`` (written by :meth:`export`,
         possibly on another machine) and return it. Everything is checked before anything is
         written into the registry:
 
         1. the archive: a regular file of bounded size, POSIX ustar with valid header
            checksums, exactly the members ``card.json``, ``config.json`` and
-           ``fuser.safetensors`` as regular files (no links, folders, extension headers,
-           absolute or ``..`` names, duplicates or extras), each member's declared size under
-           its cap *before* it is read (:func:`read_fuser_archive`);
-        2. the card: a self-consistent registry card with a save record (sha256s, size,
+           ``fuser.safetensors`` and optionally ``signature.json`` as regular files (no
+           links, folders, extension headers, absolute or ``..`` names, duplicates or
+           extras), each member's declared size under its cap *before* it is read
+           (:class:`_ArchiveReader`);
+        2. the exporter, before any other member is read: a signed archive needs ``trust``;
+           its ``signature.json`` is well-formed (format 1, a valid signer name, 64-hex key,
+           128-hex signature) and its key is the one ``trust`` pins for the signer's name. An
+           unsigned archive is refused unless ``allow_unsigned`` (a signed one is checked all
+           the same: ``allow_unsigned`` never excuses a bad or unverifiable signature, and a
+           signed archive without ``trust`` is refused rather than read as unsigned);
+        3. the card: a self-consistent registry card with a save record (sha256s, size,
            creation time);
-        3. the config: hashes to the card's ``config_hash`` and is a valid
+        4. the config: hashes to the card's ``config_hash`` and is a valid
            :class:`edgefuse.c2c.fuser.FuserConfig`;
-        4. the shapes: a :class:`edgefuse.c2c.fuser.C2CFuser` for the card's receiver and
+        5. the shapes: a :class:`edgefuse.c2c.fuser.C2CFuser` for the card's receiver and
            sharer specs (their KV shapes from ``kv_spec_of``) and this config is
            constructible (built on the meta device: no memory), its parameter count is the
            card's, and the weights member is no larger than those parameters as float32
            plus a small header allowance;
-        5. the weights: their sha256 is the card's, they parse as safetensors, every tensor
+        6. the signature (signed archives): it verifies over :func:`archive_message` of the
+           three members' bytes as read (the bytes then written), so any altered, swapped or
+           re-signed member is refused;
+        7. the weights: their sha256 is the card's, they parse as safetensors, every tensor
            is float32 with exactly the reference fuser's names and shapes, all values are
            finite, and the state digest is the card's (:func:`check_state`).
 
@@ -644,10 +690,16 @@ class FuserRegistry:
             max_weights_bytes: cap on the weights member, whatever the card says.
             make_latest: point the pair's ``latest`` at the imported version (never for a
                 control fuser, ``sharer_control`` zero / shuffled, as :meth:`save` in the hub).
+            trust: the pinned exporters whose signatures are accepted.
+            allow_unsigned: also accept an archive without ``signature.json`` (its digests are
+                still checked, but nothing says who made it).
 
         Raises:
             FuserArchiveError: the archive or its contents fail a check above (one line
-                naming the archive and the check).
+                naming the archive and the check), among them: unsigned and not allowed,
+                signed without a trust store, signed by a name not pinned in ``trust`` or
+                with a key other than the pinned one, a malformed ``signature.json``, a
+                signature that does not verify (a member altered after signing).
             FuserIntegrityError: the weights do not match the card's digest (as today).
             FuserVersionError: another version with this id is already in the registry.
         """
@@ -660,8 +712,10 @@ class FuserRegistry:
                 return kv_spec_from_config(_local_model_config(spec, cache_dir))
 
         with _ArchiveReader(path, max_weights_bytes) as archive:
-            card = _parse_card(archive.read(CARD), where)
-            config = _parse_json(archive.read(CONFIG), f"{where}: {CONFIG}")
+            signed = _check_exporter(archive, where, trust, allow_unsigned)
+            card_bytes, config_bytes = archive.read(CARD), archive.read(CONFIG)  # read once each
+            card = _parse_card(card_bytes, where)
+            config = _parse_json(config_bytes, f"{where}: {CONFIG}")
             if not isinstance(config, dict):
                 raise FuserArchiveError(f"{where}: {CONFIG} is not a JSON object")
             try:
@@ -698,7 +752,15 @@ class FuserRegistry:
                                         f"has {params} ({4 * params} bytes)")
             cap = min(max_weights_bytes, 4 * params + _SAFETENSORS_SLACK + 256 * len(shapes))
             blob = archive.read(WEIGHTS, cap=cap)
-            config_bytes, card_bytes = archive.read(CONFIG), archive.read(CARD)
+        files = {CARD: card_bytes, CONFIG: config_bytes, WEIGHTS: blob}
+        if signed is not None:
+            signer, public, signature = signed
+            try:
+                verify_signature(public, signature, archive_message(signer, files))
+            except IdentityError as e:
+                raise FuserArchiveError(f"{where}: bad signature by {signer!r} ({_line(e)}): a "
+                                        "member was altered after signing, or the signature is "
+                                        "another archive's; refusing to import") from None
         sha = hashlib.sha256(blob).hexdigest()
         if sha != card.weights_sha256:
             raise FuserIntegrityError(f"{where}: {WEIGHTS} has sha256 {sha[:16]}..., the card "
@@ -714,7 +776,6 @@ class FuserRegistry:
 
         version = card.version
         out = self.path(version)
-        files = {CARD: card_bytes, CONFIG: config_bytes, WEIGHTS: blob}
         if out.exists():
             return self._same_or_refuse(out, files, version, where)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -878,11 +939,80 @@ def _check_reference(state: dict, shapes: dict[str, tuple], where: str) -> None:
             raise FuserArchiveError(f"{where}: weight {key!r} holds NaN or Inf values")
 
 
+def archive_message(signer: str, files: dict[str, bytes]) -> bytes:
+    """The message an archive's ``signature.json`` signs: the ASCII prefix
+    ``edgefuse fuser archive v1`` and a NUL byte, the signer's name and a NUL byte (a name
+    holds no NUL, so the encoding is unambiguous), then the 32-byte SHA-256 of each of
+    ``files[card.json]``, ``files[config.json]`` and ``files[fuser.safetensors]`` in
+    :data:`ARCHIVE_MEMBERS` order. Card, config, weights and the name are all bound.
+
+    Raises:
+        IdentityError: ``signer`` is not a valid trust-store name.
+        KeyError: a member is missing from ``files``.
+    """
+    head = _SIGNED_PREFIX + check_name(signer).encode("ascii") + b"\x00"
+    return head + b"".join(hashlib.sha256(files[name]).digest() for name in ARCHIVE_MEMBERS)
+
+
+def _parse_signature(data: bytes, where: str) -> tuple[str, bytes, bytes]:
+    """``(signer, public key, signature)`` of a ``signature.json``; each malformation is one
+    :class:`FuserArchiveError` line."""
+    d = _parse_json(data, f"{where}: {SIGNATURE}")
+    keys = ("format", "signer", "public_key", "signature")
+    if not isinstance(d, dict) or set(d) != set(keys):
+        got = sorted(d)[:6] if isinstance(d, dict) else type(d).__name__
+        raise FuserArchiveError(f"{where}: {SIGNATURE} must be an object with exactly the keys "
+                                f"{', '.join(keys)}; got {got}")
+    fmt = d["format"]
+    if type(fmt) is not int or fmt != SIGNATURE_FORMAT:
+        raise FuserArchiveError(f"{where}: {SIGNATURE} has format {str(fmt)[:20]!r}; this edgefuse "
+                                f"reads format {SIGNATURE_FORMAT}")
+    try:
+        signer = check_name(d["signer"])
+    except IdentityError as e:
+        raise FuserArchiveError(f"{where}: {SIGNATURE}: {_line(e)}") from None
+    for key, pattern, size in (("public_key", _HEX64, 64), ("signature", _HEX128, 128)):
+        if not (isinstance(d[key], str) and pattern.match(d[key])):
+            raise FuserArchiveError(f"{where}: {SIGNATURE}: {key} must be {size} lowercase hex "
+                                    "characters")
+    return signer, bytes.fromhex(d["public_key"]), bytes.fromhex(d["signature"])
+
+
+def _check_exporter(archive: _ArchiveReader, where: str, trust: TrustStore | None,
+                    allow_unsigned: bool) -> tuple[str, bytes, bytes] | None:
+    """Who signed ``archive``, checked against ``trust`` before any other member is read:
+    ``(signer, public key, signature)``, or ``None`` for an allowed unsigned archive. The
+    signature itself is verified once the members have been read (:meth:`FuserRegistry.import_`)."""
+    if SIGNATURE not in archive.members:
+        if not allow_unsigned:
+            raise FuserArchiveError(f"{where}: the archive is not signed (no {SIGNATURE}); "
+                                    "unsigned archives are refused unless explicitly allowed "
+                                    "(allow_unsigned, --allow-unsigned)")
+        return None
+    signer, public, signature = _parse_signature(archive.read(SIGNATURE), where)
+    if trust is None:
+        raise FuserArchiveError(f"{where}: the archive is signed by {signer!r} but no trust store "
+                                "was given, so the signature cannot be checked; refusing (pass "
+                                f"the trust store that pins {signer!r})")
+    pinned = f"pinned in {trust.path}" if trust.path else "pinned"
+    if signer not in trust.names():
+        raise FuserArchiveError(f"{where}: signed by {signer!r}, which has no key {pinned}; "
+                                "refusing (pin the exporter's key first)")
+    try:
+        trust.check(signer, public)
+    except UntrustedPeerError:
+        raise FuserArchiveError(f"{where}: signed by {signer!r} with key {fingerprint(public)}, "
+                                f"but {fingerprint(trust.get(signer))} is {pinned} for "
+                                f"{signer!r}; refusing") from None
+    return signer, public, signature
+
+
 class _ArchiveReader:
     """A fuser archive opened for :meth:`FuserRegistry.import_`, its headers parsed by hand.
 
     The archive is POSIX ustar (what :meth:`FuserRegistry.export` writes with
-    ``tarfile.USTAR_FORMAT``). Headers are parsed here rather than by ``tarfile`` so that
+    ``tarfile.USTAR_FORMAT``): the :data:`ARCHIVE_MEMBERS` and, when signed, ``signature.json``
+    (at most :data:`MAX_SIGNATURE_BYTES`). Headers are parsed here rather than by ``tarfile`` so that
     nothing but the 512-byte headers is read before each member's declared size has been
     checked against its cap: an extension header (pax, GNU long name) that ``tarfile`` would
     read into memory is refused, as is every non-regular member. Members are read with
@@ -891,7 +1021,8 @@ class _ArchiveReader:
 
     def __init__(self, path: Path, max_weights_bytes: int):
         self.path, self.where = path, path.name
-        self.caps = {CARD: MAX_CARD_BYTES, CONFIG: MAX_CONFIG_BYTES, WEIGHTS: int(max_weights_bytes)}
+        self.caps = {CARD: MAX_CARD_BYTES, CONFIG: MAX_CONFIG_BYTES, WEIGHTS: int(max_weights_bytes),
+                     SIGNATURE: MAX_SIGNATURE_BYTES}
         self.members: dict[str, tuple[int, int]] = {}
         self.f = None
 
@@ -905,7 +1036,7 @@ class _ArchiveReader:
                                     f"{e.strerror or e}") from None
         if not stat.S_ISREG(st.st_mode):
             raise FuserArchiveError(f"{self.path} is not a regular file")
-        limit = sum(self.caps.values()) + 3 * _BLOCK + 20 * 1024  # headers, padding, end blocks
+        limit = sum(self.caps.values()) + len(self.caps) * _BLOCK + 20 * 1024  # + headers, padding, end
         if st.st_size > limit:
             raise FuserArchiveError(f"{self.where}: the archive is {st.st_size} bytes, more than "
                                     f"a fuser archive may be ({limit})")
@@ -956,7 +1087,8 @@ class _ArchiveReader:
                                         "file; refused")
             if name not in self.caps:
                 raise FuserArchiveError(f"{w}: unexpected member {name[:100]!r}: a fuser archive "
-                                        f"holds exactly {', '.join(ARCHIVE_MEMBERS)}")
+                                        f"holds exactly {', '.join(ARCHIVE_MEMBERS)} (and "
+                                        f"{SIGNATURE} when signed)")
             if name in self.members:
                 raise FuserArchiveError(f"{w}: member {name!r} appears twice")
             raw = hdr[124:136].rstrip(b"\x00 ").lstrip(b" ")

@@ -158,31 +158,76 @@ def _fusers(argv: list[str]) -> int:
     ex.add_argument("--registry", required=True, help="the registry folder holding the version")
     ex.add_argument("--version", required=True, help="the version id (16 hex, see `fusers list`)")
     ex.add_argument("--out", required=True, help="the archive to write (a .tar)")
-    im = sub.add_parser("import", help="check a fuser archive (members, sizes, card digests, "
-                                       "config hash, shapes, finite values) and register it")
+    ex.add_argument("--sign-key", default=None, help="sign the archive with this Ed25519 identity "
+                    "key (PEM, mode 0600; e.g. the identity.key `edgefuse keys new` makes)")
+    ex.add_argument("--signer", default=None, help="the name the signature is made under, which "
+                    "importers pin (default: exporter; needs --sign-key)")
+    im = sub.add_parser("import", help="check a fuser archive (signature, members, sizes, card "
+                                       "digests, config hash, shapes, finite values) and register it")
     im.add_argument("--registry", required=True, help="the registry folder to import into "
                                                       "(created if missing), e.g. c2c.registry_dir")
     im.add_argument("archive", help="an archive written by `edgefuse fusers export`")
     im.add_argument("--cache-dir", default=None, help=CACHE_HELP + "; the card's models must be "
                     "here (they give the fuser's shapes; nothing is fetched)")
+    im.add_argument("--trust", default=None, help="a trust.json pinning the exporters whose "
+                    "signatures are accepted (see `fusers trust`)")
+    im.add_argument("--allow-unsigned", action="store_true", help="also import an archive that "
+                    "is not signed (its digests are checked, but nothing says who made it)")
+    tr = sub.add_parser("trust", help="pin an exporter's public key (as a signed export prints it)")
+    tr.add_argument("--trust", required=True, help="the trust.json to pin it in (created if missing)")
+    tr.add_argument("name", help="the exporter's signer name (`fusers export --signer`)")
+    tr.add_argument("public_key", help="the exporter's 64-hex public key")
+    tr.add_argument("--replace", action="store_true", help="replace another key already pinned "
+                                                            "for the name")
     args = parser.parse_args(argv)
     from pathlib import Path
 
-    from edgefuse.c2c.registry import FuserIntegrityError, FuserRegistry, FuserVersionError
+    from edgefuse.c2c.registry import DEFAULT_SIGNER, FuserIntegrityError, FuserRegistry, FuserVersionError
+    from edgefuse.transport.identity import IdentityError, TrustStore, fingerprint, load_identity
 
+    if args.cmd == "export" and args.signer is not None and args.sign_key is None:
+        parser.error("--signer needs --sign-key")
+    if args.cmd == "trust":
+        try:
+            try:
+                key = bytes.fromhex(args.public_key)
+            except ValueError:
+                raise IdentityError("the public key must be 64 hex characters") from None
+            store = TrustStore.load(Path(args.trust).expanduser())
+            same = args.name in store.names() and store.get(args.name) == key
+            store.pin(args.name, key, replace=args.replace)
+            path = store.save()
+        except (IdentityError, OSError) as e:
+            raise CLIError(e) from None
+        state = "already pinned" if same else "pinned"
+        print(f"{args.name:<12} {fingerprint(key)}  {state} in {path}")
+        return 0
     if args.cmd in ("export", "import"):
         reg = FuserRegistry(args.registry)
         try:
             if args.cmd == "export":
                 if not reg.root.is_dir():
                     raise CLIError(f"no registry folder {reg.root}")
-                path = reg.export(reg.find(args.version), args.out)
+                signer = load_identity(Path(args.sign_key).expanduser()) if args.sign_key else None
+                name = (args.signer or DEFAULT_SIGNER) if signer else None
+                path = reg.export(reg.find(args.version), args.out, signer=signer, signer_name=name)
                 print(f"exported fuser {args.version} to {path}")
+                if signer:
+                    public = signer.public_bytes().hex()
+                    print(f"signed as {name}: public key {public}  fingerprint {signer.fingerprint}")
+                    print(f"the importer pins it once: edgefuse fusers trust --trust FILE {name} {public}")
                 return 0
+            trust = None
+            if args.trust is not None:
+                if not Path(args.trust).expanduser().is_file():
+                    raise CLIError(f"no trust file {args.trust} (pin an exporter with "
+                                   "`edgefuse fusers trust --trust FILE NAME PUBLIC_KEY`)")
+                trust = TrustStore.load(Path(args.trust).expanduser())
             had = {p.name for p in reg.root.glob("*/*") if p.is_dir()}  # no card is read
             cache = resolve_paths(cache_dir=args.cache_dir).cache_dir
-            version = reg.import_(args.archive, cache_dir=cache)
-        except FuserVersionError as e:
+            version = reg.import_(args.archive, cache_dir=cache, trust=trust,
+                                  allow_unsigned=args.allow_unsigned)
+        except (FuserVersionError, IdentityError) as e:
             raise CLIError(e) from None
         except OSError as e:
             raise CLIError(f"{e.filename or ''}: {e.strerror or e}".lstrip(": ")) from None

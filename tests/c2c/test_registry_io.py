@@ -18,11 +18,12 @@ import torch
 from safetensors.torch import save as st_save
 
 from edgefuse.c2c.fuser import C2CFuser, FuserConfig, kv_spec_from_config
-from edgefuse.c2c.registry import (ARCHIVE_MEMBERS, FORMAT_VERSION, FuserArchiveError, FuserCard,
-                                   FuserIntegrityError, FuserRegistry, FuserVersion,
-                                   FuserVersionError, ModelVersion, config_hash, pair_name,
-                                   state_digest)
+from edgefuse.c2c.registry import (ARCHIVE_MEMBERS, FORMAT_VERSION, SIGNATURE, FuserArchiveError,
+                                   FuserCard, FuserIntegrityError, FuserRegistry, FuserVersion,
+                                   FuserVersionError, ModelVersion, archive_message, config_hash,
+                                   pair_name, state_digest)
 from edgefuse.models import model_config
+from edgefuse.transport.identity import Identity, IdentityError, TrustStore, fingerprint
 
 SHARER, RECEIVER = "tiny-llama", "tiny-qwen2"
 FCFG = FuserConfig(bottleneck=8)
@@ -48,8 +49,9 @@ def random_fuser(kv, seed=0, fcfg=FCFG):
     return fuser
 
 
-def exported(tmp_path, kv, seed=0, name="a.tar", mutate=None):
-    """Save a random fuser in a fresh 'remote' registry and export it; ``(archive, state, card)``."""
+def exported(tmp_path, kv, seed=0, name="a.tar", mutate=None, signer=None, signer_name=None):
+    """Save a random fuser in a fresh 'remote' registry and export it (signed by ``signer``
+    when given); ``(archive, state, card)``."""
     fuser = random_fuser(kv, seed)
     if mutate:
         mutate(fuser)
@@ -59,7 +61,7 @@ def exported(tmp_path, kv, seed=0, name="a.tar", mutate=None):
         v, train_steps=500, train_examples=4000, data="public split, 4000 prompts",
         scores={"val_loss": 2.1, "alone_val_loss": 2.4}, trained_on=ELSEWHERE))
     state, _, card = src.load_state(v)
-    return src.export(v, tmp_path / name), state, card
+    return src.export(v, tmp_path / name, signer=signer, signer_name=signer_name), state, card
 
 
 def members(archive: Path) -> dict[str, bytes]:
@@ -86,8 +88,10 @@ def tree(root: Path) -> list[str]:
 
 def refused(tmp_path, archive, match, error=FuserArchiveError, **kw) -> str:
     """Import ``archive`` into a fresh registry: it must raise ``error`` matching ``match``
-    on one line, and the registry must hold nothing afterwards (not even a hidden folder)."""
+    on one line, and the registry must hold nothing afterwards (not even a hidden folder).
+    Unsigned archives are allowed unless ``allow_unsigned=False`` is passed."""
     reg = FuserRegistry(tmp_path / "run")
+    kw.setdefault("allow_unsigned", True)  # these attacks are on the contents, not the signer
     with pytest.raises(error, match=match) as info:
         reg.import_(archive, **kw)
     msg = str(info.value)
@@ -106,7 +110,7 @@ def test_export_import_round_trip_is_bit_identical(tmp_path, kv):
         assert [m.name for m in tar.getmembers()] == list(ARCHIVE_MEMBERS)
         assert all(m.isreg() for m in tar.getmembers())
     reg = FuserRegistry(tmp_path / "run")
-    v = reg.import_(archive)
+    v = reg.import_(archive, allow_unsigned=True)
     assert v == version() and reg.latest(SHARER, RECEIVER) == v
     got_state, got_config, got_card = reg.load_state(v)
     assert got_card == card and got_card.trained_on == ELSEWHERE
@@ -120,7 +124,7 @@ def test_export_import_round_trip_is_bit_identical(tmp_path, kv):
 
     # the same archive again: a no-op, nothing rewritten
     before = {p: p.stat().st_mtime_ns for p in reg.path(v).iterdir()}
-    assert reg.import_(archive) == v
+    assert reg.import_(archive, allow_unsigned=True) == v
     assert {p: p.stat().st_mtime_ns for p in reg.path(v).iterdir()} == before
     assert tree(reg.root) == sorted([reg.path(v).parent.name, f"{reg.path(v).parent.name}/latest",
                                      str(reg.path(v).relative_to(reg.root))]
@@ -133,7 +137,7 @@ def test_export_import_round_trip_is_bit_identical(tmp_path, kv):
 def test_export_refuses_a_corrupted_version(tmp_path, kv):
     archive, _, _ = exported(tmp_path, kv)
     reg = FuserRegistry(tmp_path / "run")
-    v = reg.import_(archive)
+    v = reg.import_(archive, allow_unsigned=True)
     blob = bytearray((reg.path(v) / "fuser.safetensors").read_bytes())
     blob[-1] ^= 1
     (reg.path(v) / "fuser.safetensors").write_bytes(bytes(blob))
@@ -174,9 +178,9 @@ def test_a_tampered_weight_byte_is_refused(tmp_path, kv):
     refused(tmp_path, archive, "sha256 .* tampered", FuserIntegrityError)
 
 
-def recarded(tmp_path, archive, state, name):
+def recarded(tmp_path, archive, state, name, extra=()):
     """An archive whose weights are ``state`` and whose card's digests, sizes were recomputed
-    to match them (what an attacker who can write the card does)."""
+    to match them (what an attacker who can write the card does); ``extra`` members follow."""
     m = members(archive)
     blob = st_save(state)
     card = json.loads(m["card.json"])
@@ -184,7 +188,8 @@ def recarded(tmp_path, archive, state, name):
     card.update(weights_sha256=hashlib.sha256(blob).hexdigest(), state_sha256=state_digest(state),
                 params=params, bytes=4 * params)
     return build(tmp_path / name, [("card.json", json.dumps(card).encode()),
-                                   ("config.json", m["config.json"]), ("fuser.safetensors", blob)])
+                                   ("config.json", m["config.json"]), ("fuser.safetensors", blob),
+                                   *extra])
 
 
 def test_a_recomputed_card_for_weights_of_other_shapes_is_refused(tmp_path, kv):
@@ -302,11 +307,11 @@ def test_an_existing_different_version_is_never_overwritten(tmp_path, kv):
     first, state, _ = exported(tmp_path, kv, seed=0, name="first.tar")
     other, _, _ = exported(tmp_path, kv, seed=1, name="other.tar")  # same version id, other weights
     reg = FuserRegistry(tmp_path / "run")
-    v = reg.import_(first)
+    v = reg.import_(first, allow_unsigned=True)
     files = {n: (reg.path(v) / n).read_bytes() for n in ARCHIVE_MEMBERS}
     with pytest.raises(FuserVersionError, match=f"version {v.id} is already in the registry .* "
                                                 "never overwritten"):
-        reg.import_(other)
+        reg.import_(other, allow_unsigned=True)
     assert {n: (reg.path(v) / n).read_bytes() for n in ARCHIVE_MEMBERS} == files
     assert not [p for p in reg.path(v).parent.iterdir() if p.name.startswith(".")]
     assert all(torch.equal(reg.load_state(v)[0][k], state[k]) for k in state)
@@ -456,7 +461,7 @@ def test_an_imported_fuser_is_served_cached_and_accepted_by_the_client(tmp_path,
         version, train_steps=20_000, train_examples=500_000, data="elsewhere", trained_on=ELSEWHERE))
     remote_state, _, remote_card = remote.load_state(version)
     archive = remote.export(version, tmp_path / "fuser.tar")
-    assert svc.registry.import_(archive) == version
+    assert svc.registry.import_(archive, allow_unsigned=True) == version
 
     def no_training(*a, **kw):
         raise AssertionError("an imported fuser must not be retrained")
@@ -499,7 +504,214 @@ def test_an_imported_control_fuser_never_becomes_the_pairs_latest(tmp_path, kv):
              make_latest=False)
     control = src.export(v, tmp_path / "zero.tar")
     reg = FuserRegistry(tmp_path / "run")
-    assert reg.import_(control) == v and reg.latest(SHARER, RECEIVER) is None
-    real = reg.import_(archive)
-    assert reg.import_(control) == v and reg.latest(SHARER, RECEIVER) == real
+    assert reg.import_(control, allow_unsigned=True) == v and reg.latest(SHARER, RECEIVER) is None
+    real = reg.import_(archive, allow_unsigned=True)
+    assert reg.import_(control, allow_unsigned=True) == v and reg.latest(SHARER, RECEIVER) == real
     assert reg.load_state(v)[1]["sharer_control"] == "zero"
+
+
+# ---------------------------------------------------------------- signed archives
+# The exporter 'gpu-box' signs with its identity; the importer pins that key by name. Each
+# attack below is refused with one line and leaves the target registry empty.
+
+EXPORTER = "gpu-box"
+
+
+@pytest.fixture(scope="module")
+def exporter():
+    return Identity.generate()
+
+
+@pytest.fixture
+def trust(exporter):
+    return TrustStore({EXPORTER: exporter.public_bytes()})
+
+
+def signed(tmp_path, kv, exporter, seed=0, name="s.tar"):
+    return exported(tmp_path, kv, seed=seed, name=name, signer=exporter, signer_name=EXPORTER)
+
+
+def resign(tmp_path, archive, identity, signer, name):
+    """``archive``'s three members re-signed by ``identity`` under ``signer`` (what an
+    attacker holding some key does)."""
+    m = members(archive)
+    files = {n: m[n] for n in ARCHIVE_MEMBERS}
+    doc = {"format": 1, "signer": signer, "public_key": identity.public_bytes().hex(),
+           "signature": identity.sign(archive_message(signer, files)).hex()}
+    return build(tmp_path / name, [*files.items(), (SIGNATURE, json.dumps(doc).encode())])
+
+
+def test_a_signed_export_imports_with_the_pinned_key(tmp_path, kv, exporter, trust):
+    archive, state, card = signed(tmp_path, kv, exporter)
+    with tarfile.open(archive) as tar:
+        assert [m.name for m in tar.getmembers()] == [*ARCHIVE_MEMBERS, SIGNATURE]
+        assert all(m.isreg() for m in tar.getmembers())
+    m = members(archive)
+    doc = json.loads(m[SIGNATURE])
+    assert doc["format"] == 1 and doc["signer"] == EXPORTER
+    assert doc["public_key"] == exporter.public_bytes().hex() and len(doc["signature"]) == 128
+    # what is signed: the prefix, the name, the sha256 of card, config and weights in order
+    message = (b"edgefuse fuser archive v1\x00" + EXPORTER.encode() + b"\x00"
+               + b"".join(hashlib.sha256(m[n]).digest() for n in ("card.json", "config.json",
+                                                                  "fuser.safetensors")))
+    assert archive_message(EXPORTER, m) == message and len(message) == 26 + 8 + 96
+    assert exporter.sign(message).hex() == doc["signature"]
+
+    reg = FuserRegistry(tmp_path / "run")
+    v = reg.import_(archive, trust=trust)
+    assert v == version() and reg.latest(SHARER, RECEIVER) == v
+    got_state, _, got_card = reg.load_state(v)
+    assert got_card == card and all(torch.equal(got_state[k], state[k]) for k in state)
+    # the signature is checked, not kept: the version folder holds the three files
+    assert sorted(p.name for p in reg.path(v).iterdir()) == sorted(ARCHIVE_MEMBERS)
+    assert reg.import_(archive, trust=trust, allow_unsigned=True) == v  # a no-op, still verified
+    # Ed25519 is deterministic: the imported version re-signed is the same archive
+    assert reg.export(v, tmp_path / "re.tar", exporter, EXPORTER).read_bytes() == archive.read_bytes()
+    assert reg.export(v, tmp_path / "plain.tar").read_bytes() != archive.read_bytes()
+    assert list(members(tmp_path / "plain.tar")) == list(ARCHIVE_MEMBERS)
+
+
+def test_export_refuses_a_bad_signer_name(tmp_path, kv, exporter):
+    archive, _, _ = exported(tmp_path, kv)
+    src, v = FuserRegistry(tmp_path / "remote-a.tar"), version()
+    with pytest.raises(IdentityError, match="bad identity name"):
+        src.export(v, tmp_path / "x.tar", exporter, "../evil")
+    with pytest.raises(ValueError, match="needs a signer"):
+        src.export(v, tmp_path / "x.tar", None, EXPORTER)
+    assert not (tmp_path / "x.tar").exists()
+    default = src.export(v, tmp_path / "d.tar", exporter)
+    assert json.loads(members(default)[SIGNATURE])["signer"] == "exporter"
+
+
+def test_a_signed_archive_needs_a_trust_store(tmp_path, kv, exporter):
+    archive, _, _ = signed(tmp_path, kv, exporter)
+    for allow in (False, True):  # allow_unsigned never turns a signed archive into an unchecked one
+        refused(tmp_path, archive, "signed by 'gpu-box' but no trust store was given",
+                allow_unsigned=allow)
+
+
+def test_an_unsigned_archive_is_refused_unless_allowed(tmp_path, kv, exporter, trust):
+    archive, _, _ = exported(tmp_path, kv)
+    msg = refused(tmp_path, archive, "the archive is not signed", allow_unsigned=False, trust=trust)
+    assert msg.startswith("a.tar: ") and "allow_unsigned" in msg
+    refused(tmp_path, archive, "the archive is not signed", allow_unsigned=False)
+    # a signed archive stripped of its signature is just as unsigned
+    stripped = build(tmp_path / "stripped.tar",
+                     [(n, members(signed(tmp_path, kv, exporter)[0])[n]) for n in ARCHIVE_MEMBERS])
+    refused(tmp_path, stripped, "not signed", allow_unsigned=False, trust=trust)
+    assert FuserRegistry(tmp_path / "ok").import_(archive, allow_unsigned=True) == version()
+
+
+def test_a_forged_archive_under_the_genuine_signature_is_refused(tmp_path, kv, exporter, trust):
+    archive, state, _ = signed(tmp_path, kv, exporter)
+    sig = (SIGNATURE, members(archive)[SIGNATURE])
+    # new weights, the card's digests and sizes recomputed: every content check passes ...
+    forged_state = {k: v + 0.5 if i == 0 else v for i, (k, v) in enumerate(sorted(state.items()))}
+    forged = recarded(tmp_path, archive, forged_state, "forged.tar", extra=[sig])
+    ok = FuserRegistry(tmp_path / "unchecked")
+    unsigned = recarded(tmp_path, archive, forged_state, "forged-unsigned.tar")
+    assert ok.import_(unsigned, allow_unsigned=True) == version()  # ... as the digests allow
+    # ... but the signature covers the weights
+    msg = refused(tmp_path, forged, "bad signature by 'gpu-box'", trust=trust, allow_unsigned=False)
+    assert msg.startswith("forged.tar: ") and "altered after signing" in msg
+    # the card alone edited (a better score, still self-consistent)
+    m = members(archive)
+    card = json.loads(m["card.json"])
+    card["scores"]["val_loss"] = 0.1
+    better = build(tmp_path / "card.tar", [("card.json", json.dumps(card).encode()),
+                                          ("config.json", m["config.json"]),
+                                          ("fuser.safetensors", m["fuser.safetensors"]), sig])
+    refused(tmp_path, better, "bad signature", trust=trust, allow_unsigned=False)
+    # the config re-serialised: the same config hash, other bytes
+    compact = json.dumps(json.loads(m["config.json"]), separators=(",", ":")).encode()
+    assert compact != m["config.json"]
+    recfg = build(tmp_path / "cfg.tar", [("card.json", m["card.json"]), ("config.json", compact),
+                                         ("fuser.safetensors", m["fuser.safetensors"]), sig])
+    refused(tmp_path, recfg, "bad signature", trust=trust, allow_unsigned=False)
+
+
+def test_an_archive_re_signed_by_another_key_is_refused(tmp_path, kv, exporter, trust):
+    archive, state, _ = signed(tmp_path, kv, exporter)
+    attacker = Identity.generate()
+    forged = recarded(tmp_path, archive, {k: -v for k, v in state.items()}, "f.tar")
+    # the pinned name, the attacker's key
+    msg = refused(tmp_path, resign(tmp_path, forged, attacker, EXPORTER, "same-name.tar"),
+                  "signed by 'gpu-box' with key .* but .* is pinned for 'gpu-box'",
+                  trust=trust, allow_unsigned=False)
+    assert fingerprint(attacker.public_bytes()) in msg and fingerprint(exporter.public_bytes()) in msg
+    # a name nobody pinned (the attacker's own, or a genuine key under another name)
+    refused(tmp_path, resign(tmp_path, forged, attacker, "mallory", "other-name.tar"),
+            "signed by 'mallory', which has no key pinned", trust=trust, allow_unsigned=False)
+    refused(tmp_path, resign(tmp_path, archive, exporter, "gpu-box-2", "renamed.tar"),
+            "signed by 'gpu-box-2', which has no key pinned", trust=trust, allow_unsigned=False)
+    # the genuine signature with its name changed to another pinned name of the same key
+    two = TrustStore({EXPORTER: exporter.public_bytes(), "gpu-box-2": exporter.public_bytes()})
+    m = members(archive)
+    doc = dict(json.loads(m[SIGNATURE]), signer="gpu-box-2")
+    renamed = build(tmp_path / "n.tar", [*((n, m[n]) for n in ARCHIVE_MEMBERS),
+                                        (SIGNATURE, json.dumps(doc).encode())])
+    refused(tmp_path, renamed, "bad signature by 'gpu-box-2'", trust=two, allow_unsigned=False)
+    assert FuserRegistry(tmp_path / "ok").import_(archive, trust=two) == version()
+
+
+def test_a_signature_swapped_between_genuine_archives_is_refused(tmp_path, kv, exporter, trust):
+    first, _, _ = signed(tmp_path, kv, exporter, seed=0, name="first.tar")
+    other, _, _ = signed(tmp_path, kv, exporter, seed=1, name="other.tar")  # same version id
+    a, b = members(first), members(other)
+    assert a[SIGNATURE] != b[SIGNATURE]
+    swapped = build(tmp_path / "swapped.tar", [*((n, a[n]) for n in ARCHIVE_MEMBERS),
+                                               (SIGNATURE, b[SIGNATURE])])
+    refused(tmp_path, swapped, "bad signature by 'gpu-box'", trust=trust, allow_unsigned=False)
+    # each genuine archive on its own imports
+    for archive in (first, other):
+        assert FuserRegistry(tmp_path / archive.stem).import_(archive, trust=trust) == version()
+
+
+def _sig_doc(**edit):
+    doc = {"format": 1, "signer": EXPORTER, "public_key": "ab" * 32, "signature": "cd" * 64}
+    doc.update(edit)
+    return json.dumps({k: v for k, v in doc.items() if v is not ...}).encode()
+
+
+@pytest.mark.parametrize("data,match", [
+    (b"not json", "signature.json is not strict UTF-8 JSON"),
+    (b'{"format": NaN}', "signature.json is not strict UTF-8 JSON"),
+    (b"\xff\xfe", "signature.json is not strict UTF-8 JSON"),
+    (b"[1, 2]", "must be an object with exactly the keys"),
+    (_sig_doc(extra=1), "must be an object with exactly the keys"),
+    (_sig_doc(signature=...), "must be an object with exactly the keys"),
+    (_sig_doc(format=2), "has format '2'; this edgefuse reads format 1"),
+    (_sig_doc(format=True), "has format 'True'"),
+    (_sig_doc(format="1"), "has format '1'"),
+    (_sig_doc(signer="../up"), "bad identity name"),
+    (_sig_doc(signer=7), "bad identity name"),
+    (_sig_doc(public_key="ab" * 31), "public_key must be 64 lowercase hex"),
+    (_sig_doc(public_key="AB" * 32), "public_key must be 64 lowercase hex"),
+    (_sig_doc(public_key="zz" * 32), "public_key must be 64 lowercase hex"),
+    (_sig_doc(signature="cd" * 63), "signature must be 128 lowercase hex"),
+    (_sig_doc(signature=12), "signature must be 128 lowercase hex"),
+])
+def test_a_malformed_signature_file_is_refused(tmp_path, kv, exporter, trust, data, match):
+    archive, _, _ = signed(tmp_path, kv, exporter)
+    m = members(archive)
+    bad = build(tmp_path / "m.tar", [*((n, m[n]) for n in ARCHIVE_MEMBERS), (SIGNATURE, data)])
+    msg = refused(tmp_path, bad, match, trust=trust, allow_unsigned=True)
+    assert msg.startswith("m.tar: ")
+
+
+def test_an_oversized_or_duplicate_signature_is_refused_before_reading(tmp_path, kv, exporter, trust):
+    archive, _, _ = signed(tmp_path, kv, exporter)
+    m = members(archive)
+    # a header declaring 1 MiB of signature and no data behind it
+    info = tarfile.TarInfo(SIGNATURE)
+    info.size = 2 ** 20
+    bomb = tmp_path / "bomb.tar"
+    bomb.write_bytes(info.tobuf(tarfile.USTAR_FORMAT) + bytes(1024))
+    refused(tmp_path, bomb, r"'signature.json' declares 1048576 bytes, more than the 4096 allowed; "
+                            "refused before reading", trust=trust)
+    # a real one padded past the cap (still valid JSON)
+    fat = build(tmp_path / "fat.tar", [*((n, m[n]) for n in ARCHIVE_MEMBERS),
+                                       (SIGNATURE, m[SIGNATURE] + b" " * 4096)])
+    refused(tmp_path, fat, "'signature.json' declares 4", trust=trust)
+    twice = build(tmp_path / "twice.tar", [*m.items(), (SIGNATURE, m[SIGNATURE])])
+    refused(tmp_path, twice, "'signature.json' appears twice", trust=trust)
