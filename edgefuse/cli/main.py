@@ -4,8 +4,9 @@
     edgefuse models fetch [NAME ...]      download + verify + convert (default: the edge SLMs)
     edgefuse models export NAME [--adapter DIR] [--quant int8]   ONNX for the edge profile (cached)
     edgefuse fusers list REGISTRY_DIR     fuser versions in a registry (e.g. <run>/fusers)
-    edgefuse fusers export --registry DIR --version ID --out FILE   one version as one archive
-    edgefuse fusers import --registry DIR FILE    check an exported fuser and register it
+    edgefuse fusers export --registry DIR --version ID --out FILE [--sign-key KEY]   one version as one (signed) archive
+    edgefuse fusers trust --trust FILE NAME PUBLIC_HEX   pin an exporter's key
+    edgefuse fusers import --registry DIR --trust FILE ARCHIVE   check a signed fuser archive and register it
     edgefuse run [HYDRA OVERRIDES ...]    the main job: a Flower simulation (`flwr run`)
     edgefuse run --multirun training.lr=1e-4,3e-4   a Hydra sweep, one output folder per job
     edgefuse cloud serve --model NAME [--port 39200 ...]   the cloud LLM service (until SIGINT/SIGTERM)
