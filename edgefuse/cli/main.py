@@ -356,7 +356,7 @@ def _cloud(argv: list[str]) -> int:
     g.add_argument("--flag-cache", default=None, action=argparse.BooleanOptionalAction,
                    help="whether the cloud may keep the session's KV cache between requests "
                         "(default: privacy.cloud_auth.flag_cache, yes)")
-    g.add_argument("--l-cache", type=_positive, default=None,
+    g.add_argument("--l-cache", type=int, default=None,
                    help="the most past tokens the cloud may keep and attend to "
                         "(default: privacy.cloud_auth.l_cache, unlimited)")
     g.add_argument("--target", default="qwen2.5-coder-1.5b",
