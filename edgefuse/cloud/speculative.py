@@ -178,10 +178,7 @@ class GammaController:
     optimistic (a poor draft's rejections cost re-feeds the model does not count). When
     γ = 0 is best, every ``probe_every``-th block drafts anyway, the best γ ≥ 1 (not always
     1: on a CPU a block of 1 draft can cost more per token than one of 3, the rows being
-    padded), so a draft that starts paying again (the text turns predictable) is noticed.
-    Drafting must beat γ = 0 by ``zero_margin`` (a share of its rate) to be chosen: near
-    break-even the expected gain is a few percent while one unlucky block of a short answer
-    costs more (one token of a 7-token answer is 14 %), so the choice is risk-averse there."""
+    padded), so a draft that starts paying again (the text turns predictable) is noticed."""
     gamma_min: int = 1
     gamma_max: int = 8
     alpha0: float = 0.7
@@ -190,7 +187,6 @@ class GammaController:
     verify_growth: float = 0.2
     zero: bool = False
     probe_every: int = 6
-    zero_margin: float = 0.1
 
     def __post_init__(self):
         if not 0 <= self.gamma_min <= self.gamma_max:
@@ -279,8 +275,6 @@ class GammaController:
             rate = expected_tokens_per_block(alpha, g) / max(cost, 1e-9)
             if achieved and g in achieved:
                 rate = 1.0 / max(achieved[g], 1e-9)
-            if g == 0:
-                rate *= 1 + self.zero_margin  # drafting must beat it by the margin
             if rate > best_rate + 1e-12:
                 best, best_rate = g, rate
             if g >= 1 and rate > drafting_rate + 1e-12:
