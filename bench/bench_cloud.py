@@ -104,6 +104,9 @@ def parse_args(argv=None):
                    help="data mirror (default: $EDGEFUSE_DATA_MIRROR, else ../shared/data, else the hub)")
     p.add_argument("--parts", nargs="+", default=["modes", "devices"], choices=["modes", "devices"],
                    help="what to run; a part left out keeps its rows from the existing --out JSON")
+    p.add_argument("--cloud-repeat", action="store_true",
+                   help="the control: run the cloud alone again after every device model, so a "
+                        "prompt's ratio can be read against timing noise (JSON noise_floor)")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "bench_cloud.json"))
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # one device process of the sweep
@@ -132,15 +135,18 @@ def _kept(out: Path, parts: list[str]) -> tuple[list[dict], list[dict]]:
             [r for r in old.get("records", []) if (r.get("sweep") == "devices") == keep_sweep])
 
 
-def per_prompt(records: list[dict], rtt: float, model: str, mode: str) -> dict | None:
+def per_prompt(records: list[dict], rtt: float, model: str | None, mode: str,
+               sweep: str | None = None) -> dict | None:
     """``mode`` of ``model`` over ``cloud`` tokens/s prompt by prompt at ``rtt`` (same prompts):
     geometric mean of the ratios, bootstrap 95 % interval over their logs, the worst prompt's
-    ratio, n. Prompts where either ended in a fallback are left out."""
-    def tps(m, dm):
+    ratio, n. Prompts where either ended in a fallback are left out. ``sweep="repeat"`` with
+    mode ``cloud``: the control, the cloud alone run again over its first run (how far one
+    prompt's ratio moves by timing noise alone)."""
+    def tps(m, dm, tag=None):
         return {r["qid"]: r["tokens_per_s"] for r in records
-                if r["rtt_ms"] == rtt and r["mode"] == m and r.get("sweep") is None
+                if r["rtt_ms"] == rtt and r["mode"] == m and r.get("sweep") == tag
                 and (dm is None or r.get("device_model") == dm) and not r.get("fallback") and r.get("tokens_per_s")}
-    mine, cloud = tps(mode, model), tps("cloud", None)
+    mine, cloud = tps(mode, model, sweep), tps("cloud", None)
     common = sorted(set(mine) & set(cloud))
     if not common:
         return None
@@ -380,6 +386,8 @@ def main(argv=None) -> int:
         ratios = [x for x in (per_prompt(records_all, rtt, m, mode) for rtt in args.rtts
                               for m in args.edge_models for mode in args.modes if mode in SPEC) if x]
         result["per_prompt"] = ratios
+        result["noise_floor"] = [x for x in (per_prompt(records_all, rtt, None, "cloud", sweep="repeat")
+                                             for rtt in args.rtts) if x]
         result["targets"] = check_targets(rows, ratios, args.rtts, args.devices, args.scale_mode)
         atomic_write_json(out, result)  # after every part: a killed run keeps what it measured
         return result
@@ -407,6 +415,16 @@ def main(argv=None) -> int:
                     save()
                     del model, head
                     gc.collect()
+                if args.cloud_repeat:  # the control: the cloud alone again, after every model
+                    model, tok, head, fp, cross = _device(args.edge_models[0], cfg, spec, args.target_model)
+                    rep, _ = run_devices(model, tok, queries, ["cloud"], dcfg, "127.0.0.1", port, wan, 1, fp,
+                                         head=head, progress=progress, drafter=spec,
+                                         device_keys=device_keys[:1], cross=cross)
+                    records_all.extend({**r.to_dict(), "rtt_ms": rtt, "devices": 1, "sweep": "repeat",
+                                        "device_model": None, "gamma": dcfg.gamma} for r in rep)
+                    save()
+                    del model, head
+                    gc.collect()
         for d in args.devices if "devices" in args.parts else []:
             qs = [queries[i % len(queries)] for i in range(args.scale_prompts * d)]
             for mode in ("cloud", args.scale_mode):
@@ -424,8 +442,8 @@ def main(argv=None) -> int:
     for k, v in result["targets"].items():
         print(f"  {k:<40} {v['value']!s:<24} target {v['target']!s:<8} "
               f"{'met' if v['met'] else 'MISSED' if v['met'] is False else '-'}")
-    for r in result["per_prompt"]:
-        print(f"  {r['device_model']:<20} {r['mode']:<10} {r['rtt_ms']:g} ms: {r['geomean']:.2f}x "
+    for r in result["per_prompt"] + result["noise_floor"]:
+        print(f"  {r['device_model'] or 'cloud again':<20} {r['mode']:<10} {r['rtt_ms']:g} ms: {r['geomean']:.2f}x "
               f"[{r['ci95_low']:.2f}, {r['ci95_high']:.2f}] worst {r['worst']:.2f}x (n={r['n']})")
     print(f"wrote {out} and {png}")
     return 0

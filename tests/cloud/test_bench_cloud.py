@@ -25,7 +25,7 @@ def test_quick_run_every_device_model_and_a_process_sweep(mirror, tmp_path):
     out = tmp_path / "cloud.json"
     assert _bench().main(["--quick", "--edge-models", *MODELS, "--target-model", "tiny-qwen2",
                           "--scale-model", "tiny-gemma3", "--drafter", "full_head", "--mirror", str(mirror),
-                          "--no-pin", "--out", str(out)]) == 0  # pinning would bind pytest to one core
+                          "--no-pin", "--cloud-repeat", "--out", str(out)]) == 0  # pinning would bind pytest to one core
     res = json.loads(out.read_text())
     assert res["pinned"] is None
     main = [r for r in res["modes"] if r.get("sweep") is None]
@@ -44,6 +44,11 @@ def test_quick_run_every_device_model_and_a_process_sweep(mirror, tmp_path):
         mine = next(x for x in recs if x["mode"] == p["mode"] and x.get("device_model") == p["device_model"]
                     and x.get("sweep") is None)
         assert p["n"] == 1 and math.isclose(p["geomean"], mine["tokens_per_s"] / cloud["tokens_per_s"])
+    # the control: the cloud alone again; same greedy tokens, its ratio the noise floor
+    again = next(x for x in recs if x["mode"] == "cloud" and x.get("sweep") == "repeat")
+    assert again["tokens"] == cloud["tokens"]
+    (floor,) = res["noise_floor"]
+    assert floor["n"] == 1 and math.isclose(floor["worst"], again["tokens_per_s"] / cloud["tokens_per_s"])
     # the sweep: 1 and 2 device processes, each mode, every device's records kept
     sweep = {(r["mode"], r["devices"]): r for r in res["modes"] if r.get("sweep") == "devices"}
     assert sorted(sweep) == [("cloud", 1), ("cloud", 2), ("spec_async", 1), ("spec_async", 2)]
