@@ -107,6 +107,9 @@ def parse_args(argv=None):
     p.add_argument("--cloud-repeat", action="store_true",
                    help="the control: run the cloud alone again after every device model, so a "
                         "prompt's ratio can be read against timing noise (JSON noise_floor)")
+    p.add_argument("--paired-cloud", action="store_true",
+                   help="run the cloud alone again just before every device model after the first, "
+                        "and compare that model's modes with it (the machine's speed drifts over a run)")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "bench_cloud.json"))
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # one device process of the sweep
@@ -139,14 +142,16 @@ def per_prompt(records: list[dict], rtt: float, model: str | None, mode: str,
                sweep: str | None = None) -> dict | None:
     """``mode`` of ``model`` over ``cloud`` tokens/s prompt by prompt at ``rtt`` (same prompts):
     geometric mean of the ratios, bootstrap 95 % interval over their logs, the worst prompt's
-    ratio, n. Prompts where either ended in a fallback are left out. ``sweep="repeat"`` with
+    ratio, n. The cloud's run is the one next to this model's (``--paired-cloud``) where there
+    is one. Prompts where either ended in a fallback are left out. ``sweep="repeat"`` with
     mode ``cloud``: the control, the cloud alone run again over its first run (how far one
     prompt's ratio moves by timing noise alone)."""
     def tps(m, dm, tag=None):
         return {r["qid"]: r["tokens_per_s"] for r in records
                 if r["rtt_ms"] == rtt and r["mode"] == m and r.get("sweep") == tag
                 and (dm is None or r.get("device_model") == dm) and not r.get("fallback") and r.get("tokens_per_s")}
-    mine, cloud = tps(mode, model, sweep), tps("cloud", None)
+    mine = tps(mode, model, sweep)
+    cloud = (tps("cloud", model, "paired") if model and sweep is None else {}) or tps("cloud", None)
     common = sorted(set(mine) & set(cloud))
     if not common:
         return None
@@ -393,12 +398,23 @@ def main(argv=None) -> int:
         return result
 
     try:
+        warm = False
         if "modes" in args.parts:
             for rtt in args.rtts:
                 wan = WanProfile(rtt_ms=rtt, bandwidth_mbps=args.bandwidth_mbps)
                 cloud_recs = None
                 for m in args.edge_models:
                     model, tok, head, fp, cross = _device(m, cfg, spec, args.target_model)
+                    if cloud_recs is None and not warm:  # a first request pays one-off costs: not measured
+                        run_devices(model, tok, queries[:1], ["cloud"], dcfg, "127.0.0.1", port, wan, 1, fp,
+                                    head=head, drafter=spec, device_keys=device_keys[:1], cross=cross)
+                        warm = True
+                    elif args.paired_cloud:  # the cloud alone again, next to this model's modes in time
+                        rep, _ = run_devices(model, tok, queries, ["cloud"], dcfg, "127.0.0.1", port, wan, 1, fp,
+                                             head=head, progress=progress, drafter=spec,
+                                             device_keys=device_keys[:1], cross=cross)
+                        records_all.extend({**r.to_dict(), "rtt_ms": rtt, "devices": 1, "sweep": "paired",
+                                            "device_model": m, "gamma": dcfg.gamma} for r in rep)
                     if cloud_recs is None:  # the cloud alone: once per RTT, its output the reference
                         cloud_recs, wall_c = run_devices(model, tok, queries, ["cloud"], dcfg, "127.0.0.1", port,
                                                          wan, 1, fp, head=head, progress=progress, drafter=spec,

@@ -25,7 +25,7 @@ def test_quick_run_every_device_model_and_a_process_sweep(mirror, tmp_path):
     out = tmp_path / "cloud.json"
     assert _bench().main(["--quick", "--edge-models", *MODELS, "--target-model", "tiny-qwen2",
                           "--scale-model", "tiny-gemma3", "--drafter", "full_head", "--mirror", str(mirror),
-                          "--no-pin", "--cloud-repeat", "--out", str(out)]) == 0  # pinning would bind pytest to one core
+                          "--no-pin", "--cloud-repeat", "--paired-cloud", "--out", str(out)]) == 0  # pinning would bind pytest to one core
     res = json.loads(out.read_text())
     assert res["pinned"] is None
     main = [r for r in res["modes"] if r.get("sweep") is None]
@@ -40,10 +40,14 @@ def test_quick_run_every_device_model_and_a_process_sweep(mirror, tmp_path):
     # the per-prompt ratio of one prompt is its records' tokens/s ratio
     recs = res["records"]
     cloud = next(x for x in recs if x["mode"] == "cloud" and x.get("sweep") is None)
-    for p in res["per_prompt"]:
+    for p in res["per_prompt"]:  # against the cloud's run next to it (the first model: the first run)
         mine = next(x for x in recs if x["mode"] == p["mode"] and x.get("device_model") == p["device_model"]
                     and x.get("sweep") is None)
-        assert p["n"] == 1 and math.isclose(p["geomean"], mine["tokens_per_s"] / cloud["tokens_per_s"])
+        ref = next((x for x in recs if x["mode"] == "cloud" and x.get("sweep") == "paired"
+                    and x.get("device_model") == p["device_model"]), cloud)
+        assert (ref is cloud) == (p["device_model"] == MODELS[0])
+        assert ref["tokens"] == cloud["tokens"]
+        assert p["n"] == 1 and math.isclose(p["geomean"], mine["tokens_per_s"] / ref["tokens_per_s"])
     # the control: the cloud alone again; same greedy tokens, its ratio the noise floor
     again = next(x for x in recs if x["mode"] == "cloud" and x.get("sweep") == "repeat")
     assert again["tokens"] == cloud["tokens"]
