@@ -4,7 +4,7 @@
     edgefuse models fetch [NAME ...]      download + verify + convert (default: the edge SLMs)
     edgefuse models export NAME [--adapter DIR] [--quant int8]   ONNX for the edge profile (cached)
     edgefuse fusers list REGISTRY_DIR     fuser versions in a registry (e.g. <run>/fusers)
-    edgefuse fusers export --registry DIR --version ID --out FILE [--sign-key KEY]   one version as one (signed) archive
+    edgefuse fusers export --registry DIR --version ID --out FILE [--sign-key KEY --signer NAME]   one (signed) archive
     edgefuse fusers trust --trust FILE NAME PUBLIC_HEX   pin an exporter's key
     edgefuse fusers import --registry DIR --trust FILE ARCHIVE   check a signed fuser archive and register it
     edgefuse run [HYDRA OVERRIDES ...]    the main job: a Flower simulation (`flwr run`)
@@ -13,6 +13,8 @@
     edgefuse cloud health [--host H --port P]              a running service's status (JSON)
     edgefuse cloud generate --mode MODE [--prompt TEXT]    complete a prompt / chat through the cloud link
     edgefuse keys init --partitions N [--root DIR]        identities and pins of the cloud and N devices
+    edgefuse keys new --device-dir DIR                   a device's (or an exporter's) own identity
+    edgefuse keys register device-N PUBLIC_HEX [--root DIR]   pin a key a device made itself
     edgefuse keys show [--device-dir DIR | --root DIR]    names, fingerprints and pins
     edgefuse keys safety-number A B [--root DIR | --device-dir DIR]   the number two operators compare
     edgefuse deploy certs --out DIR [--host NAME ...]     a CA and the SuperLink's TLS certificate
