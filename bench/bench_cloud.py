@@ -374,6 +374,14 @@ def main(argv=None) -> int:
         records_all.extend({**r.to_dict(), "rtt_ms": rtt, "devices": devices, "sweep": tag,
                             "device_model": model, "gamma": dcfg.gamma} for r in recs)
 
+    def cloud_again(model, tok, head, fp, cross, wan, rtt, tag, device_model):
+        """The cloud alone over every query once more; its records kept under ``tag``."""
+        rep, _ = run_devices(model, tok, queries, ["cloud"], dcfg, "127.0.0.1", port, wan, 1, fp,
+                             head=head, progress=progress, drafter=spec,
+                             device_keys=device_keys[:1], cross=cross)
+        records_all.extend({**r.to_dict(), "rtt_ms": rtt, "devices": 1, "sweep": tag,
+                            "device_model": device_model, "gamma": dcfg.gamma} for r in rep)
+
     def save():
         result = {
             "edge_models": args.edge_models, "target_model": args.target_model, "threads": args.threads,
@@ -410,11 +418,7 @@ def main(argv=None) -> int:
                                     head=head, drafter=spec, device_keys=device_keys[:1], cross=cross)
                         warm = True
                     elif args.paired_cloud:  # the cloud alone again, next to this model's modes in time
-                        rep, _ = run_devices(model, tok, queries, ["cloud"], dcfg, "127.0.0.1", port, wan, 1, fp,
-                                             head=head, progress=progress, drafter=spec,
-                                             device_keys=device_keys[:1], cross=cross)
-                        records_all.extend({**r.to_dict(), "rtt_ms": rtt, "devices": 1, "sweep": "paired",
-                                            "device_model": m, "gamma": dcfg.gamma} for r in rep)
+                        cloud_again(model, tok, head, fp, cross, wan, rtt, "paired", m)
                     if cloud_recs is None:  # the cloud alone: once per RTT, its output the reference
                         cloud_recs, wall_c = run_devices(model, tok, queries, ["cloud"], dcfg, "127.0.0.1", port,
                                                          wan, 1, fp, head=head, progress=progress, drafter=spec,
@@ -433,11 +437,7 @@ def main(argv=None) -> int:
                     gc.collect()
                 if args.cloud_repeat:  # the control: the cloud alone again, after every model
                     model, tok, head, fp, cross = _device(args.edge_models[0], cfg, spec, args.target_model)
-                    rep, _ = run_devices(model, tok, queries, ["cloud"], dcfg, "127.0.0.1", port, wan, 1, fp,
-                                         head=head, progress=progress, drafter=spec,
-                                         device_keys=device_keys[:1], cross=cross)
-                    records_all.extend({**r.to_dict(), "rtt_ms": rtt, "devices": 1, "sweep": "repeat",
-                                        "device_model": None, "gamma": dcfg.gamma} for r in rep)
+                    cloud_again(model, tok, head, fp, cross, wan, rtt, "repeat", None)
                     save()
                     del model, head
                     gc.collect()

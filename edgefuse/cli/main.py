@@ -186,16 +186,13 @@ def _fusers(argv: list[str]) -> int:
     from pathlib import Path
 
     from edgefuse.c2c.registry import DEFAULT_SIGNER, FuserIntegrityError, FuserRegistry, FuserVersionError
-    from edgefuse.transport.identity import IdentityError, TrustStore, fingerprint, load_identity
+    from edgefuse.transport.identity import IdentityError, TrustStore, fingerprint, load_identity, public_from_hex
 
     if args.cmd == "export" and args.signer is not None and args.sign_key is None:
         parser.error("--signer needs --sign-key")
     if args.cmd == "trust":
         try:
-            try:
-                key = bytes.fromhex(args.public_key)
-            except ValueError:
-                raise IdentityError("the public key must be 64 hex characters") from None
+            key = public_from_hex(args.public_key)
             store = TrustStore.load(Path(args.trust).expanduser())
             same = args.name in store.names() and store.get(args.name) == key
             store.pin(args.name, key, replace=args.replace)
@@ -479,7 +476,7 @@ def _keys(argv: list[str]) -> int:
     from edgefuse.transport.identity import (AUTHORIZED_FILE, CLOUD, IDENTITY_FILE, PUBLIC_FILE, TRUST_FILE, IdentityError,
                                              TrustStore,
                                              check_name, cloud_dir, device_dir, fingerprint, load_identity,
-                                             provision, read_public, register_public, safety_number)
+                                             provision, public_from_hex, read_public, register_public, safety_number)
 
     root_help = "keys root (default: $EDGEFUSE_KEYS, else <edgefuse cache>/identity)"
     parser = Parser(prog="edgefuse keys")
@@ -553,10 +550,7 @@ def _keys(argv: list[str]) -> int:
             pid = folder(args.name).name.removeprefix("partition-")
             if args.name == CLOUD:
                 raise IdentityError("register pins a device's key; the cloud's identity is made by init")
-            try:
-                key = bytes.fromhex(args.public_key)
-            except ValueError:
-                raise IdentityError("the public key must be 64 hex characters") from None
+            key = public_from_hex(args.public_key)
             path = register_public(root, int(pid), key)
             print(f"{args.name:<12} {fingerprint(key)}  ({path}); now run: edgefuse keys init "
                   f"--partitions N --root {root}, and give the device its trust.json")

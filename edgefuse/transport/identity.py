@@ -101,6 +101,16 @@ def _public(public: bytes) -> bytes:
     return bytes(public)
 
 
+def public_from_hex(text: str) -> bytes:
+    """A raw Ed25519 public key from its 64 hex characters (as ``keys new`` and a signed
+    export print it). Raises :class:`IdentityError` for anything else."""
+    try:
+        raw = bytes.fromhex(text)
+    except ValueError:
+        raise IdentityError("the public key must be 64 hex characters") from None
+    return _public(raw)
+
+
 def fingerprint(public: bytes) -> str:
     """A key's fingerprint to read aloud: the first 16 bytes of SHA-256 of the raw 32-byte
     public key, hex in 8 groups of 4 (e.g. ``"3f2a 9c01 …"``)."""
